@@ -1,0 +1,38 @@
+"""In-process half of the orchestrator: the Guard and its policy.
+
+>>> from orchestrator import Guard, load_policy
+"""
+
+from orchestrator.errors import (
+    EXIT_GAVE_UP,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_UNHEALTHY,
+    GaveUp,
+    OrchestratorError,
+    PolicyError,
+    RunStop,
+    UsageError,
+)
+from orchestrator.guard import Guard
+from orchestrator.incident import Incident
+from orchestrator.journal import read_journal
+from orchestrator.policy import Policy, load_policy, parse_policy
+
+__all__ = [
+    "EXIT_GAVE_UP",
+    "EXIT_OK",
+    "EXIT_PREEMPTED",
+    "EXIT_UNHEALTHY",
+    "GaveUp",
+    "Guard",
+    "Incident",
+    "OrchestratorError",
+    "Policy",
+    "PolicyError",
+    "RunStop",
+    "UsageError",
+    "load_policy",
+    "parse_policy",
+    "read_journal",
+]

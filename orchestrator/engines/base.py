@@ -1,0 +1,64 @@
+"""The contract between the Guard and a training engine.
+
+The Guard owns the protocol (check, snapshot, incident pipeline); an engine knows how to run
+backward and the optimizer step, which gradients are local, and what its state is. The base
+class holds the shared logic; backends implement the ``_``-prefixed hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from orchestrator.snapshot import Snapshot
+
+
+class Engine(ABC):
+    #: True when every rank holds the full, already-reduced gradient (single process, DDP):
+    #: the packed grad-norm^2 SUM is then divided by the world size instead of summed shards.
+    grads_replicated: bool = True
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """Run the backward pass of ``loss`` (scaled, where the engine scales)."""
+
+    @abstractmethod
+    def grads(self) -> list[torch.Tensor]:
+        """This rank's gradients, ready for the finite check (unscaled)."""
+
+    @abstractmethod
+    def commit(self, lr_multiplier: float) -> None:
+        """Optimizer step (LR times ``lr_multiplier`` for this step only), scheduler step,
+        zero grads."""
+
+    @abstractmethod
+    def abandon(self) -> None:
+        """Drop the gradients of a step that will not be applied."""
+
+    @abstractmethod
+    def state(self) -> dict[str, Any]:
+        """References (not copies) to everything a snapshot must hold for this engine."""
+
+    @abstractmethod
+    def restore(self, snap: Snapshot, loss_scale_factor: float) -> None:
+        """Load a snapshot taken from ``state()``; multiply any loss scale by the factor."""
+
+    @abstractmethod
+    def estimate_state_bytes(self) -> int:
+        """Bytes one snapshot will take on this rank, including optimizer state that a lazy
+        optimizer has not created yet."""
+
+    @property
+    def has_loss_scaler(self) -> bool:
+        """With a dynamic loss scaler, gradient overflow is the scaler's business (it skips
+        the step and lowers the scale); only a non-finite loss is an incident."""
+        return False
+
+    @contextlib.contextmanager
+    def local_grads(self) -> Iterator[None]:
+        """Within this context backward leaves gradients unreduced (forensics reruns)."""
+        yield

@@ -1,0 +1,122 @@
+"""Plain PyTorch: one process, or DDP (``DistributedDataParallel``) under torchrun."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from orchestrator.engines.base import Engine
+from orchestrator.rng import rng_state, set_rng_state
+from orchestrator.snapshot import Snapshot
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class TorchEngine(Engine):
+    grads_replicated = True
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self._unscaled = False
+
+    @property
+    def has_loss_scaler(self) -> bool:
+        return self.scaler is not None
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def grads(self) -> list[torch.Tensor]:
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(self.optimizer)
+            self._unscaled = True
+        return [p.grad for p in self._params() if p.grad is not None]
+
+    def commit(self, lr_multiplier: float) -> None:
+        groups = self.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        if lr_multiplier != 1.0:
+            for g in groups:
+                g["lr"] = g["lr"] * lr_multiplier
+        try:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)  # skips the update on overflow
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+        finally:
+            for g, lr in zip(groups, saved, strict=True):
+                g["lr"] = lr
+        self._unscaled = False
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def abandon(self) -> None:
+        if self.scaler is not None and self._unscaled:
+            self.scaler.update()  # clears the scaler's per-step record; restore resets scale
+        self._unscaled = False
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optim": self.optimizer.state_dict(),
+            "sched": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": rng_state(),
+        }
+
+    def restore(self, snap: Snapshot, loss_scale_factor: float) -> None:
+        # load_state_dict copies into the live parameters, so the model part may alias
+        # the host buffers; the optimizer keeps what it is given, so it gets clones.
+        self.model.load_state_dict(snap.materialize("model", clone=False))
+        self.optimizer.load_state_dict(snap.materialize("optim", clone=True))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(snap.materialize("sched", clone=True))
+        if self.scaler is not None:
+            scaler_state = snap.materialize("scaler", clone=True)
+            scaler_state["scale"] = scaler_state["scale"] * loss_scale_factor
+            self.scaler.load_state_dict(scaler_state)
+        set_rng_state(snap.materialize("rng", clone=True))
+
+    def estimate_state_bytes(self) -> int:
+        model = _tensor_bytes(self.model.state_dict().values())
+        optim = sum(_tensor_bytes(s.values()) for s in self.optimizer.state.values())
+        if not self.optimizer.state:
+            # Lazy optimizers (Adam & co.) create their state on the first step; assume two
+            # tensors the size of each parameter, the common case.
+            optim = 2 * _tensor_bytes(self._params())
+        return model + optim
+
+    @contextlib.contextmanager
+    def local_grads(self) -> Iterator[None]:
+        ddp = self.model if isinstance(self.model, DistributedDataParallel) else None
+        if ddp is None:
+            yield
+            return
+        before = ddp.require_backward_grad_sync
+        ddp.require_backward_grad_sync = False  # what DDP.no_sync() sets, held across yield
+        try:
+            yield
+        finally:
+            ddp.require_backward_grad_sync = before

@@ -1,0 +1,49 @@
+"""Exceptions and the worker exit-code protocol.
+
+Two families, kept apart on purpose:
+
+* :class:`OrchestratorError` (an ``Exception``): something is wrong and the caller can act on
+  it (a bad policy, an API used out of order). The message says where and what to do.
+* :class:`RunStop` (a ``SystemExit``): the run must end now and must not be retried blindly
+  (the incident budget is spent, a rank is unhealthy). Uncaught, the interpreter exits with
+  the documented code below and no traceback, which is what the supervisor and torchrun read.
+"""
+
+from __future__ import annotations
+
+# Worker exit codes. Documented in README.md ("Exit codes"); the supervisor classifies on them.
+EXIT_OK = 0
+EXIT_GAVE_UP = 71  # incident budget spent: restarting would loop, do not restart
+EXIT_UNHEALTHY = 72  # a health check failed on this rank: restart elsewhere / evict the node
+EXIT_PREEMPTED = 73  # stopped on request after a durable snapshot: requeue
+
+
+class OrchestratorError(Exception):
+    """Base class of every recoverable error raised by this library."""
+
+
+class PolicyError(OrchestratorError):
+    """The policy (YAML or in-code) is invalid or cannot be met on this machine."""
+
+
+class UsageError(OrchestratorError):
+    """The Guard API was called out of order (e.g. ``step`` before ``backward``)."""
+
+
+class RunStop(SystemExit):
+    """Terminal: the run stops with a protocol exit code. Catch it only to clean up."""
+
+    exit_code: int = 1
+
+    def __init__(self, message: str) -> None:
+        super().__init__(self.exit_code)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class GaveUp(RunStop):
+    """More incidents than ``escalation.max_incidents`` within ``escalation.window_steps``."""
+
+    exit_code = EXIT_GAVE_UP

@@ -1,0 +1,564 @@
+"""The Guard: the per-step protocol inside every rank.
+
+Healthy step (hot path): ``guard.backward(loss)``; ``guard.step(loss)`` packs the local
+finite flags, the loss and the grad-norm^2 into one tensor, all-reduces it once, and every
+rank takes the same branch: commit (optimizer + scheduler step, maybe seal a snapshot) or
+incident. Every ``snapshot.every_steps`` steps, at the step boundary, the state is copied
+into the host ring.
+
+Incident (cold path, may cost seconds): name the origin ranks, check the incident budget,
+optionally re-run sub-batches of the bad step through the user's own loop to find the
+samples that reproduce it (bisection), quarantine them, roll back to the newest sealed
+snapshot old enough, cut the LR, and let ``guard.batches`` rewind the data.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+from torch.utils.data import DataLoader, Dataset
+
+from orchestrator.adjust import LRAdjuster
+from orchestrator.comm import Comm
+from orchestrator.data import GuardBatchSampler
+from orchestrator.detect import GRAD_NONFINITE, GRAD_NORM_SQ, LOSS, LOSS_NONFINITE
+from orchestrator.detect import SpikeDetector, grad_norm, pack_local
+from orchestrator.engines import Engine, TorchEngine
+from orchestrator.errors import GaveUp, OrchestratorError, PolicyError, UsageError
+from orchestrator.faults import FaultInjector
+from orchestrator.incident import Incident
+from orchestrator.journal import Journal
+from orchestrator.policy import Policy, load_policy
+from orchestrator.quarantine import LEDGER_NAME, Ledger
+from orchestrator.snapshot import Snapshot, SnapshotRing
+
+logger = logging.getLogger(__name__)
+
+ENV_RUN_DIR = "ORCHESTRATOR_RUN_DIR"
+ENV_ATTEMPT = "ORCHESTRATOR_ATTEMPT"
+
+# Outcomes of Guard.step.
+COMMIT, INCIDENT, PROBE, OVERFLOW_SKIP = "commit", "incident", "probe", "overflow_skip"
+
+
+class _Bisection:
+    """Adaptive group testing over one rank's suspect samples.
+
+    A bad group is split in halves; a bad singleton is a culprit; a bad group whose halves
+    are both clean (the samples only fail together) is quarantined whole.
+    """
+
+    def __init__(self, suspects: list[int], filler: list[int]) -> None:
+        self.queue: list[tuple[list[int], dict[str, Any] | None]] = (
+            [(suspects, None)] if suspects else []
+        )
+        self.filler = filler
+        self.culprits: list[int] = []
+        self.reproduced = False
+        self.current: tuple[list[int], dict[str, Any] | None] | None = None
+
+    def next_group(self) -> list[int]:
+        self.current = self.queue.pop(0) if self.queue else None
+        return self.current[0] if self.current is not None else self.filler
+
+    def record(self, bad: bool) -> None:
+        if self.current is None:
+            return  # a filler pass, run only to keep the ranks in lockstep
+        ids, parent = self.current
+        if parent is None:
+            self.reproduced = bad
+        if bad and len(ids) == 1:
+            self.culprits += ids
+        elif bad:
+            node = {"ids": ids, "pending": 2, "bad": 0}
+            half = len(ids) // 2
+            self.queue += [(ids[:half], node), (ids[half:], node)]
+        if parent is not None:
+            parent["pending"] -= 1
+            parent["bad"] += int(bad)
+            if parent["pending"] == 0 and parent["bad"] == 0:
+                self.culprits += parent["ids"]
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.queue)
+
+
+class Guard:
+    """Detect, roll back, quarantine, adjust, resume: wraps one rank's training loop.
+
+    Args:
+        policy: a :class:`Policy` (``None``: :func:`load_policy`, i.e. $ORCHESTRATOR_POLICY or
+            the defaults).
+        model, optimizer, scheduler, scaler: the torch objects of the loop. ``model`` may be
+            wrapped in ``DistributedDataParallel``. The Guard steps the optimizer, the
+            scheduler and the scaler; user code must not.
+        process_group: the group whose ranks decide together (default: the world group when
+            torch.distributed is initialized, else single-process).
+        run_dir: journal, ledger and fault memory; default $ORCHESTRATOR_RUN_DIR, else a fresh
+            ``./runs/<time>-<pid>`` chosen by rank 0.
+
+    Raises:
+        PolicyError: the policy cannot be met here (e.g. not enough host memory for the ring).
+    """
+
+    def __init__(
+        self,
+        policy: Policy | None = None,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        scaler: torch.amp.GradScaler | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        run_dir: str | None = None,
+    ) -> None:
+        self.policy = policy if policy is not None else load_policy()
+        self.comm = Comm(process_group)
+        self.engine: Engine = TorchEngine(model, optimizer, scheduler, scaler)
+        self.run_dir = self._resolve_run_dir(run_dir)
+        self.attempt = int(os.environ.get(ENV_ATTEMPT, "0"))
+        self.journal = Journal(self.run_dir, self.comm.global_rank, self.attempt)
+        self.ring = SnapshotRing(self.policy.snapshot.keep)
+        self.adjuster = LRAdjuster(self.policy.adjust)
+        self.spikes = SpikeDetector(self.policy.detect.spike)
+        self.faults = FaultInjector(
+            self.policy.faults, self.comm.global_rank, self.run_dir, self.journal
+        )
+        q = self.policy.quarantine
+        self.ledger = Ledger(q.ledger_url or os.path.join(self.run_dir, LEDGER_NAME))
+        self._quarantined = self.ledger.load()
+
+        self.global_step = 0  # committed steps so far = index of the next step (0-based)
+        self.incidents: list[Incident] = []
+        self.rollbacks = 0
+        self._sampler: GuardBatchSampler | None = None
+        self._loader: DataLoader[Any] | None = None
+        self._pos = (0, 0)  # (epoch, index) of the next batch to consume
+        self._recent: deque[tuple[int, int, int]] = deque(maxlen=max(q.window_steps, 0) + 1)
+        self._cur_ids: list[int] = []
+        self._phase = "idle"  # idle -> batch -> backward -> stepped
+        self._loss: torch.Tensor | None = None
+        self._probe: _Bisection | None = None
+        self._probe_steps = 0
+        self._open: Incident | None = None
+        self._reset_iter = True
+        self._closed = False
+
+        self._check_memory()
+        if self.comm.rank == 0:
+            with open(os.path.join(self.run_dir, "policy.yaml"), "w", encoding="utf-8") as f:
+                yaml.safe_dump(self.policy.model_dump(mode="json"), f, sort_keys=False)
+        self._event(
+            "run_start",
+            world_size=self.comm.world_size,
+            run_dir=self.run_dir,
+            policy_digest=self.policy.digest(),
+            quarantined=len(self._quarantined),
+            faults=len(self.policy.faults),
+        )
+
+    # ------------------------------------------------------------------ public API ----
+    def dataloader(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        collate_fn: Any = None,
+        num_workers: int = 0,
+        **loader_kwargs: Any,
+    ) -> DataLoader[Any]:
+        """A DataLoader whose batches are deterministic in (seed, epoch), sharded over the
+        group's ranks (``batch_size`` per rank), resumable, and free of quarantined samples.
+
+        Sample ids are dataset indices; they stay inside the Guard. The last incomplete
+        global batch of an epoch is dropped so every rank runs the same number of steps.
+        """
+        self._sampler = GuardBatchSampler(
+            len(dataset),  # type: ignore[arg-type]
+            batch_size,
+            rank=self.comm.rank,
+            world_size=self.comm.world_size,
+            seed=seed,
+            shuffle=shuffle,
+        )
+        self._sampler.quarantine(self._quarantined)
+        self._loader = DataLoader(
+            dataset,
+            batch_sampler=self._sampler,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            **loader_kwargs,
+        )
+        return self._loader
+
+    def batches(self, loader: DataLoader[Any], max_steps: int) -> Iterator[Any]:
+        """Yield batches until ``max_steps`` steps are committed, rewinding after rollbacks.
+
+        During an incident it may also yield sub-batches of the bad step (re-runs for
+        isolation); ``guard.step`` then returns ``"probe"`` and nothing is applied.
+        """
+        if self._sampler is None or loader.batch_sampler is not self._sampler:
+            raise UsageError("guard.batches needs the DataLoader returned by guard.dataloader")
+        if not self.ring.snapshots():
+            self._snapshot(initial=True)
+        it: Iterator[Any] | None = None
+        while True:
+            if self._probe is not None:
+                ids = self._probe.next_group()
+                batch = loader.collate_fn([loader.dataset[i] for i in ids])  # type: ignore[misc]
+                self._begin_batch(ids)
+                with self.engine.local_grads():
+                    yield batch
+                self._end_batch()
+                continue
+            if self.global_step >= max_steps:
+                return
+            if it is None or self._reset_iter:
+                if self._sampler.batches_in_epoch(self._pos[0]) == 0:
+                    raise OrchestratorError(
+                        f"epoch {self._pos[0]} has no full batch left: "
+                        f"{len(self._sampler.quarantined)} samples are quarantined in "
+                        f"{self.ledger.url}; review the ledger or lower the batch size"
+                    )
+                self._sampler.set_position(*self._pos)
+                it, self._reset_iter = iter(loader), False
+            if self.global_step % self.policy.snapshot.every_steps == 0 and not self.ring.has(self.global_step):
+                self._snapshot()
+            try:
+                batch = next(it)
+            except StopIteration:
+                self._pos, it = (self._pos[0] + 1, 0), None
+                continue
+            self._begin_batch(self._sampler.batch_ids(*self._pos))
+            yield batch
+            self._end_batch()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward pass of this step's loss. Must be called once per step, before step()."""
+        if self._phase != "batch":
+            raise UsageError(
+                f"[rank {self.comm.global_rank} step {self.global_step}] guard.backward was called "
+                + ("twice in one step: gradient accumulation is not supported yet"
+                   if self._phase == "backward" else "outside a guard.batches iteration")
+            )
+        fault = self.faults.loss_fault(self.global_step, self._cur_ids, one_shot=self._probe is None)
+        if fault == "poison":
+            loss = loss * float("nan")
+        elif fault == "inf":
+            loss = loss + float("inf")
+        self._loss = loss.detach()
+        self.engine.backward(loss)
+        self._phase = "backward"
+
+    def step(self, loss: torch.Tensor | None = None) -> str:
+        """Finite check, then commit or the incident pipeline. Must follow backward().
+
+        Returns:
+            ``"commit"``, ``"overflow_skip"`` (a loss scaler skipped an overflowed step),
+            ``"incident"`` (rolled back or isolating) or ``"probe"`` (an isolation re-run).
+
+        Raises:
+            GaveUp: the incident budget is spent (exit code 71 when uncaught).
+        """
+        del loss  # the loss seen by backward (with any injected fault) is the one checked
+        if self._phase != "backward":
+            raise UsageError(
+                f"[rank {self.comm.global_rank} step {self.global_step}] guard.step needs "
+                "guard.backward(loss) first, once per step"
+            )
+        self._phase = "stepped"
+        assert self._loss is not None
+        if self._probe is not None:
+            return self._probe_step()
+        grads = self.engine.grads()
+        if grads and self.faults.grad_fault(self.global_step):
+            with torch.no_grad():
+                grads[0].view(-1)[0] = float("nan")
+        check_grads = self.policy.detect.check_grads
+        packed = pack_local(self._loss, grads, check_grads, stop=False)
+        vals = self.comm.all_reduce_sum_(packed).tolist()  # the one host sync of the step
+        world = self.comm.world_size
+        gloss = vals[LOSS] / world
+        gnorm = math.sqrt(vals[GRAD_NORM_SQ] / (world if self.engine.grads_replicated else 1))
+        reason = None
+        if vals[LOSS_NONFINITE] > 0:
+            reason = "nonfinite_loss"
+        elif vals[GRAD_NONFINITE] > 0:
+            if self.engine.has_loss_scaler:
+                return self._commit(OVERFLOW_SKIP)
+            reason = "nonfinite_grads"
+        else:
+            spike = self.spikes.check({"loss": gloss, "grad_norm": gnorm})
+            if spike is not None:
+                reason = f"spike_{spike[0]}"
+        if reason is not None:
+            return self._incident(reason, gloss, gnorm)
+        return self._commit(COMMIT)
+
+    def close(self) -> None:
+        """Journal the end of the run. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._event(
+            "run_end",
+            steps=self.global_step,
+            incidents=len(self.incidents),
+            rollbacks=self.rollbacks,
+            quarantined=sorted(self._sampler.quarantined) if self._sampler else [],
+        )
+        self.journal.close()
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ hot path -------
+    def _begin_batch(self, ids: list[int]) -> None:
+        self._cur_ids = ids
+        self._phase = "batch"
+
+    def _end_batch(self) -> None:
+        if self._phase != "stepped":
+            raise UsageError(
+                f"[rank {self.comm.global_rank} step {self.global_step}] the loop body must call "
+                "guard.backward(loss) and guard.step() once for every batch"
+            )
+        self._phase = "idle"
+
+    def _commit(self, outcome: str) -> str:
+        self.ring.fence()
+        self.engine.commit(self.adjuster.multiplier())
+        self._recent.append((self.global_step, *self._pos))
+        self._pos = (self._pos[0], self._pos[1] + 1)
+        self.ring.seal_through(self.global_step, self.policy.snapshot.seal_after_steps)
+        self.global_step += 1
+        phase = self.adjuster.on_commit()
+        if phase is not None:
+            self._event("adjust", phase=phase, lr_multiplier=self.adjuster.multiplier())
+        return outcome
+
+    def _snapshot(self, initial: bool = False) -> Snapshot:
+        t0 = time.perf_counter()
+        state = self.engine.state()
+        state["guard"] = {"step": self.global_step, "epoch": self._pos[0], "index": self._pos[1]}
+        snap = self.ring.capture(self.global_step, state)
+        if initial:
+            # The starting state is trusted as is: rolling back to it is a restart.
+            snap.wait()
+            snap.sealed = True
+        self._event(
+            "snapshot",
+            tier="memory",
+            bytes=snap.nbytes,
+            stall_ms=round((time.perf_counter() - t0) * 1e3, 3),
+            initial=initial,
+        )
+        return snap
+
+    # ------------------------------------------------------------------ cold path ------
+    def _incident(self, reason: str, gloss: float, gnorm: float) -> str:
+        local_grads = self.engine.grads()
+        local = {
+            "loss": not bool(torch.isfinite(self._loss).all()),  # type: ignore[arg-type]
+            "grads": bool(local_grads) and not bool(torch.isfinite(grad_norm(local_grads))),
+        }
+        per_rank: list[dict[str, bool]] = self.comm.all_gather_object(local)
+        origin = [r for r, f in enumerate(per_rank) if f["loss"]] or [
+            r for r, f in enumerate(per_rank) if f["grads"]
+        ]
+        inc = Incident(self.global_step, reason, gloss, gnorm, origin, time.time(), per_rank)
+        self.incidents.append(inc)
+        self._open = inc
+        self._event(
+            "incident",
+            reason=reason,
+            loss=gloss,
+            grad_norm=gnorm,
+            origin_ranks=origin,
+            per_rank=per_rank,
+            batch_ids=self.comm.all_gather_object(self._cur_ids),
+        )
+        self._escalate_if_over_budget()
+
+        q = self.policy.quarantine
+        if q.enabled and q.scope == "step" and q.isolate and reason.startswith("nonfinite"):
+            suspects = list(self._cur_ids) if self.comm.rank in origin else []
+            self._probe = _Bisection(suspects, filler=self._cur_ids[:1])
+            self._probe_steps = 0
+            self.engine.abandon()
+            return INCIDENT
+        culprits: list[int] = []
+        if q.enabled:
+            ranks = origin or list(range(self.comm.world_size))
+            assert self._sampler is not None
+            culprits = [i for r in ranks for i in self._sampler.batch_ids(*self._pos, rank=r)]
+            if q.scope == "window":
+                for step, epoch, index in self._recent:
+                    if step >= self.global_step - q.window_steps:
+                        culprits += self._sampler.global_batch_ids(epoch, index)
+        self._recover(culprits)
+        return INCIDENT
+
+    def _probe_step(self) -> str:
+        assert self._probe is not None and self._loss is not None
+        bad = not bool(torch.isfinite(self._loss).all())
+        if not self.engine.has_loss_scaler:
+            grads = self.engine.grads()  # local: the re-run ran without gradient sync
+            bad = bad or (bool(grads) and not bool(torch.isfinite(grad_norm(grads))))
+        self._probe.record(bad)
+        self._probe_steps += 1
+        self.engine.abandon()
+        if self.comm.all_reduce_max(int(self._probe.pending)):
+            return PROBE
+        gathered = self.comm.all_gather_object(
+            {"culprits": self._probe.culprits, "reproduced": self._probe.reproduced}
+        )
+        assert self._open is not None
+        self._open.reproduced = any(g["reproduced"] for g in gathered)
+        self._open.probe_steps = self._probe_steps
+        self._probe = None
+        self._recover(sorted({i for g in gathered for i in g["culprits"]}))
+        return PROBE
+
+    def _recover(self, culprits: list[int]) -> None:
+        """Quarantine, roll back, adjust. Identical on every rank (inputs are agreed)."""
+        inc = self._open
+        assert inc is not None and self._sampler is not None
+        self.engine.abandon()
+        if culprits:
+            self._sampler.quarantine(culprits)
+            if self.comm.rank == 0:
+                self.ledger.add(culprits, inc.step, inc.reason)
+            self._event("quarantine", samples=culprits, ledger=self.ledger.url)
+        inc.quarantined = culprits
+
+        target, age_met = self.ring.pick(inc.step, self.policy.snapshot.min_age_steps)
+        if target is None:
+            self._give_up(f"no sealed snapshot to roll back to at step {inc.step}")
+        assert target is not None
+        adjust = self.policy.adjust
+        t0 = time.perf_counter()
+        scale_factor = adjust.loss_scale_factor if self.engine.has_loss_scaler else 1.0
+        self.engine.restore(target, scale_factor)
+        g = target.materialize("guard", clone=False)
+        self.global_step, self._pos = g["step"], (g["epoch"], g["index"])
+        self.ring.drop_after(target.step)
+        self._reset_iter = True
+        self.rollbacks += 1
+        self._event(
+            "rollback",
+            from_step=inc.step,
+            to_step=target.step,
+            min_age_met=age_met,
+            restore_ms=round((time.perf_counter() - t0) * 1e3, 3),
+        )
+        inc.rolled_back_to = target.step
+        inc.lr_multiplier = self.adjuster.on_incident()
+        inc.loss_scale_factor = scale_factor
+        self._event(
+            "adjust",
+            phase="cut",
+            lr_multiplier=inc.lr_multiplier,
+            hold_steps=adjust.hold_steps,
+            rewarm_steps=adjust.rewarm_steps,
+            loss_scale_factor=scale_factor,
+        )
+        inc.duration_s = time.time() - inc.started_at
+        self._event("recovered", incident=inc.to_dict())
+        if self.comm.rank == 0:
+            logger.warning("%s", inc.format())
+        self._open = None
+
+    def _escalate_if_over_budget(self) -> None:
+        e = self.policy.escalation
+        step = self.incidents[-1].step
+        recent = [i for i in self.incidents if i.step > step - e.window_steps]
+        if len(recent) > e.max_incidents:
+            self._give_up(
+                f"{len(recent)} incidents within {e.window_steps} steps (steps "
+                f"{[i.step for i in recent]}), over escalation.max_incidents={e.max_incidents}"
+            )
+
+    def _give_up(self, why: str) -> None:
+        summary = {
+            "why": why,
+            "incidents": [i.to_dict() for i in self.incidents],
+            "quarantined": sorted(self._sampler.quarantined) if self._sampler else [],
+            "rollbacks": self.rollbacks,
+        }
+        self._event("gave_up", **summary)
+        if self.comm.rank == 0:
+            logger.error(
+                "GAVE UP at step %d: %s. Journal: %s. Look at the incidents above, fix the "
+                "data or lower the LR, then start again.",
+                self.global_step, why, self.journal.path,
+            )
+        self.close()
+        raise GaveUp(f"gave up at step {self.global_step}: {why}")
+
+    # ------------------------------------------------------------------ setup ----------
+    def _event(self, kind: str, **details: Any) -> None:
+        """Journal a collective decision once (rank 0 of the group)."""
+        if self.comm.rank == 0:
+            self.journal.write(kind, self.global_step, details)
+
+    def _resolve_run_dir(self, run_dir: str | None) -> str:
+        chosen = run_dir or os.environ.get(ENV_RUN_DIR)
+        if not chosen:
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            chosen = os.path.join("runs", f"{stamp}-{os.getpid()}")
+        # Ranks may see different environments or clocks: rank 0 decides for the group.
+        chosen = os.path.abspath(self.comm.broadcast_object(chosen))
+        os.makedirs(chosen, exist_ok=True)
+        return chosen
+
+    def _check_memory(self) -> None:
+        """Fail at start, on every rank alike, if the ring cannot fit on this host."""
+        snap = self.policy.snapshot
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        per_rank = self.engine.estimate_state_bytes()
+        need = per_rank * snap.keep * local_ranks
+        gib = 2**30
+        problem = None
+        detail = (
+            f"snapshot.keep={snap.keep} needs {need / gib:.2f} GiB of host memory on this node "
+            f"({local_ranks} local rank(s) x {snap.keep} slots x {per_rank / gib:.3f} GiB)"
+        )
+        if snap.max_host_memory_gb is not None and need > snap.max_host_memory_gb * gib:
+            problem = f"{detail}, over snapshot.max_host_memory_gb={snap.max_host_memory_gb}"
+        else:
+            avail = _available_host_bytes()
+            if avail is not None and need > 0.8 * avail:
+                problem = f"{detail}, but only {avail / gib:.2f} GiB is free (80% usable)"
+        problems = [p for p in self.comm.all_gather_object(problem) if p]
+        if problems:
+            raise PolicyError(
+                f"{problems[0]}: lower snapshot.keep, or free host memory, or raise "
+                "snapshot.max_host_memory_gb"
+            )
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -1,0 +1,59 @@
+"""RUN_DIR/journal.jsonl: one JSON object per event, the run's structured record.
+
+Collective decisions are journaled once, by rank 0 of the Guard's group, with the evidence
+of every rank in ``details``; rank-local facts (a fault firing on rank 1) by the rank that
+saw them. Lines are appended with one ``write`` on an ``O_APPEND`` descriptor, which keeps
+lines from different local processes whole on a local file system.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+JOURNAL_NAME = "journal.jsonl"
+
+
+class Journal:
+    def __init__(self, run_dir: str, rank: int, attempt: int) -> None:
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, JOURNAL_NAME)
+        self.rank = rank
+        self.attempt = attempt
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, kind: str, step: int, details: dict[str, Any]) -> dict[str, Any]:
+        event = {
+            "time": time.time(),
+            "kind": kind,
+            "step": step,
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "details": details,
+        }
+        os.write(self._fd, (json.dumps(event, default=str) + "\n").encode())
+        return event
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def read_journal(run_dir: str) -> Iterator[dict[str, Any]]:
+    """Yield the events of RUN_DIR/journal.jsonl; a torn last line (crash) is skipped."""
+    path = os.path.join(run_dir, JOURNAL_NAME)
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue

@@ -1,0 +1,233 @@
+"""The policy: one YAML file, validated by pydantic v2 models (one per section).
+
+Every model forbids unknown keys, so a typo is an error naming its YAML path rather than a
+silently ignored setting. ``configs/default.yaml`` documents every field and must stay in
+sync with the defaults here (a test checks it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from orchestrator.errors import PolicyError
+
+ENV_POLICY = "ORCHESTRATOR_POLICY"
+
+__all__ = ["ENV_POLICY", "Policy", "load_policy", "parse_policy"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SnapshotPolicy(_Section):
+    every_steps: int = Field(10, ge=1, description="Take an in-memory snapshot every N steps.")
+    keep: int = Field(
+        2, ge=2, description="Ring slots per rank (>= 2: the newest may not be sealed yet); "
+        "host buffers are allocated once and reused.",
+    )
+    seal_after_steps: int = Field(
+        1, ge=1, description="Clean steps after a snapshot's own step before it may be used."
+    )
+    min_age_steps: int = Field(
+        0, ge=0, description="Roll back only to a snapshot at least this many steps older "
+        "than the bad step (use > 0 when damage may precede detection).",
+    )
+    max_host_memory_gb: float | None = Field(
+        None, gt=0, description="Budget for the ring on this host (all local ranks together); "
+        "null means only the free host memory limits it.",
+    )
+
+    @model_validator(mode="after")
+    def _age_reachable(self) -> SnapshotPolicy:
+        history = self.every_steps * (self.keep - 1)
+        if self.min_age_steps > history:
+            raise ValueError(
+                f"min_age_steps={self.min_age_steps} can never be met: the sealed snapshots "
+                f"span at most (keep-1)*every_steps={history} steps; raise keep or "
+                "every_steps, or lower min_age_steps"
+            )
+        return self
+
+
+class SpikePolicy(_Section):
+    enabled: bool = Field(False, description="Treat loss / grad-norm spikes as incidents.")
+    metrics: list[Literal["loss", "grad_norm"]] = Field(
+        default_factory=lambda: ["loss"], description="Which global values are watched."
+    )
+    window: int = Field(100, ge=8, description="Rolling history length (steps).")
+    min_history: int = Field(20, ge=4, description="No spike decision before this many steps.")
+    zscore: float = Field(
+        6.0, gt=0, description="Robust z-score threshold: (x - median) / (1.4826 * MAD)."
+    )
+
+    @model_validator(mode="after")
+    def _history_fits(self) -> SpikePolicy:
+        if self.min_history > self.window:
+            raise ValueError(
+                f"min_history={self.min_history} exceeds window={self.window}: the decision "
+                "would never be made; lower min_history or raise window"
+            )
+        return self
+
+
+class DetectPolicy(_Section):
+    check_grads: bool = Field(
+        True, description="Include the gradients in the finite check (the loss is always checked)."
+    )
+    spike: SpikePolicy = Field(default_factory=SpikePolicy)  # type: ignore[arg-type]
+
+
+class QuarantinePolicy(_Section):
+    enabled: bool = Field(True, description="Quarantine the samples of a bad step.")
+    scope: Literal["step", "window"] = Field(
+        "step", description="'step': the bad step's samples; 'window': also the samples of the "
+        "window_steps steps before it (PaLM-style skip).",
+    )
+    window_steps: int = Field(0, ge=0, description="Steps before the bad one, for scope=window.")
+    isolate: bool = Field(
+        True, description="With scope=step, re-run sub-batches of the bad step (bisection) to "
+        "quarantine only the samples that reproduce the non-finite value. A step that does not "
+        "reproduce is treated as transient and quarantines nothing.",
+    )
+    ledger_url: str | None = Field(
+        None, description="fsspec URL of the JSONL ledger; null means RUN_DIR/quarantine.jsonl."
+    )
+
+    @model_validator(mode="after")
+    def _window_has_size(self) -> QuarantinePolicy:
+        if self.scope == "window" and self.window_steps < 1:
+            raise ValueError("scope=window needs window_steps >= 1 (how many earlier steps)")
+        return self
+
+
+class AdjustPolicy(_Section):
+    lr_factor: float = Field(
+        0.5, gt=0, le=1, description="Multiply the LR by this on each incident (1.0: off)."
+    )
+    min_lr_factor: float = Field(
+        0.01, gt=0, le=1, description="Floor of the cumulative LR multiplier."
+    )
+    hold_steps: int = Field(20, ge=0, description="Steps at the cut LR before re-warming.")
+    rewarm_steps: int = Field(100, ge=0, description="Steps of linear ramp back to 1.0.")
+    loss_scale_factor: float = Field(
+        0.5, gt=0, le=1, description="Multiply a GradScaler's scale by this on each incident."
+    )
+
+
+class EscalationPolicy(_Section):
+    max_incidents: int = Field(
+        3, ge=0, description="Give up when more incidents than this occur within window_steps."
+    )
+    window_steps: int = Field(500, ge=1, description="Sliding window for the incident budget.")
+
+
+class _StepFault(_Section):
+    step: int = Field(ge=0, description="Step at which the fault fires (0-based).")
+    rank: int = Field(0, ge=0, description="Global rank on which it fires.")
+
+
+class NanGradFault(_StepFault):
+    kind: Literal["nan_grad"]
+
+
+class InfLossFault(_StepFault):
+    kind: Literal["inf_loss"]
+
+
+class PoisonSampleFault(_Section):
+    kind: Literal["poison_sample"]
+    sample: int = Field(ge=0, description="Dataset index whose batches get a non-finite loss.")
+
+
+Fault = Annotated[NanGradFault | InfLossFault | PoisonSampleFault, Field(discriminator="kind")]
+
+
+class Policy(_Section):
+    """The whole policy. Build it with :func:`load_policy`, or in code: ``Policy(snapshot=...)``."""
+
+    run_dir: str | None = Field(
+        None, description="Run directory; null means $ORCHESTRATOR_RUN_DIR, else a fresh "
+        "./runs/<time>-<pid> agreed by all ranks.",
+    )
+    snapshot: SnapshotPolicy = Field(default_factory=SnapshotPolicy)  # type: ignore[arg-type]
+    detect: DetectPolicy = Field(default_factory=DetectPolicy)  # type: ignore[arg-type]
+    quarantine: QuarantinePolicy = Field(default_factory=QuarantinePolicy)  # type: ignore[arg-type]
+    adjust: AdjustPolicy = Field(default_factory=AdjustPolicy)  # type: ignore[arg-type]
+    escalation: EscalationPolicy = Field(default_factory=EscalationPolicy)  # type: ignore[arg-type]
+    faults: list[Fault] = Field(
+        default_factory=list, description="Fault injection for drills and tests (off: empty)."
+    )
+
+    def digest(self) -> str:
+        """Short stable hash of the resolved policy, journaled so runs can be compared."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _yaml_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("nan_grad", "inf_loss", "poison_sample"):
+            continue  # discriminator tag pydantic inserts; not part of the YAML path
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "<top level>"
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid policy {source}:"]
+    for e in err.errors():
+        path = _yaml_path(tuple(e["loc"]))
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key (check spelling; see configs/default.yaml for every key)"
+        got = e.get("input")
+        shown = "" if e["type"] in ("extra_forbidden", "missing") else f" (got {got!r})"
+        lines.append(f"  {path}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def parse_policy(data: Any, source: str = "<dict>") -> Policy:
+    """Validate a mapping (already parsed YAML) into a :class:`Policy`.
+
+    Raises:
+        PolicyError: naming each offending YAML path and what is allowed.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise PolicyError(f"invalid policy {source}: the top level must be a mapping of sections")
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as err:
+        raise PolicyError(_format_errors(err, source)) from None
+
+
+def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
+    """Load the policy from ``path``, else ``$ORCHESTRATOR_POLICY``, else built-in defaults.
+
+    Raises:
+        PolicyError: the file is missing, not YAML, or not a valid policy.
+    """
+    if path is None:
+        path = os.environ.get(ENV_POLICY) or None
+    if path is None:
+        return Policy()
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise PolicyError(f"policy file {path} does not exist") from None
+    except yaml.YAMLError as err:
+        raise PolicyError(f"policy file {path} is not valid YAML: {err}") from None
+    return parse_policy(data, source=path)

@@ -1,0 +1,60 @@
+"""The quarantine ledger: sample ids never to be trained on again, as JSONL through fsspec.
+
+One line per quarantined id: ``{"sample": 123, "step": 57, "reason": "...", "time": ...}``.
+Rank 0 writes after every rank agreed on the ids; every rank reads it at start. The file is
+rewritten whole through a temporary name and a move, which works on object stores that
+cannot append and never leaves a half-written ledger behind.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+
+import fsspec
+
+from orchestrator.errors import OrchestratorError
+
+LEDGER_NAME = "quarantine.jsonl"
+
+
+class Ledger:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.fs, self.path = fsspec.core.url_to_fs(url)
+
+    def _read_lines(self) -> list[str]:
+        if not self.fs.exists(self.path):
+            return []
+        with self.fs.open(self.path, "r", encoding="utf-8") as f:
+            return [ln for ln in f.read().splitlines() if ln.strip()]
+
+    def load(self) -> set[int]:
+        ids: set[int] = set()
+        for n, line in enumerate(self._read_lines(), start=1):
+            try:
+                ids.add(int(json.loads(line)["sample"]))
+            except (ValueError, KeyError, TypeError) as err:
+                raise OrchestratorError(
+                    f"quarantine ledger {self.url} line {n} is not a ledger entry "
+                    f'({err!r}); expected {{"sample": <int>, ...}}; fix or remove that line'
+                ) from None
+        return ids
+
+    def add(self, ids: Iterable[int], step: int, reason: str) -> None:
+        now = time.time()
+        new = [
+            json.dumps({"sample": int(i), "step": step, "reason": reason, "time": now})
+            for i in sorted(set(ids))
+        ]
+        if not new:
+            return
+        lines = self._read_lines() + new
+        parent = self.path.rsplit("/", 1)[0] if "/" in self.path else ""
+        if parent:
+            self.fs.makedirs(parent, exist_ok=True)
+        tmp = f"{self.path}.tmp"
+        with self.fs.open(tmp, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        self.fs.mv(tmp, self.path)

@@ -1,0 +1,205 @@
+"""In-memory snapshot ring: each rank copies its own state into reused host buffers.
+
+A snapshot is a nested state (dicts, lists, tensors, plain values). Tensors are copied into
+preallocated host buffers, one per tensor, allocated on first use of a slot and reused while
+the state keeps its shape (it changes once, when a lazily initialized optimizer creates its
+state). Plain values are deep-copied; they are small (param groups, scheduler counters, RNG).
+
+On CUDA the buffers are pinned and the copies run on a side stream; ``fence()`` makes the
+compute stream wait for them before the next optimizer step mutates the parameters, so the
+copy overlaps the next forward/backward instead of stalling it.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    index: int
+    device: torch.device
+
+
+def _flatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
+    """Replace every tensor in ``obj`` with a ``_Leaf`` placeholder, collecting the tensors."""
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return _Leaf(len(leaves) - 1, obj.device)
+    if isinstance(obj, dict):
+        return {k: _flatten(v, leaves) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_flatten(v, leaves) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_flatten(v, leaves) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _unflatten(skel: Any, get: Callable[[_Leaf], torch.Tensor]) -> Any:
+    if isinstance(skel, _Leaf):
+        return get(skel)
+    if isinstance(skel, dict):
+        return {k: _unflatten(v, get) for k, v in skel.items()}
+    if isinstance(skel, list):
+        return [_unflatten(v, get) for v in skel]
+    if isinstance(skel, tuple) and not hasattr(skel, "_fields"):
+        return tuple(_unflatten(v, get) for v in skel)
+    return copy.deepcopy(skel)
+
+
+@dataclass
+class Snapshot:
+    step: int
+    sealed: bool = False
+    skeleton: Any = None
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+    ready: Any = None  # CUDA event recorded after the copies, or None on CPU
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+
+    def materialize(self, key: str, clone: bool) -> Any:
+        """Rebuild the part ``key`` of the state with tensors on their original devices.
+
+        ``clone=False`` may alias the host buffers: only for consumers that copy out of them
+        (``Module.load_state_dict``). Anything that keeps the tensors, such as
+        ``Optimizer.load_state_dict`` on CPU, needs ``clone=True`` or it would write into
+        the snapshot on its next step.
+        """
+        self.wait()
+
+        def get(leaf: _Leaf) -> torch.Tensor:
+            buf = self.buffers[leaf.index]
+            if leaf.device.type != "cpu":
+                return buf.to(leaf.device)
+            return buf.clone() if clone else buf
+
+        return _unflatten(self.skeleton[key], get)
+
+
+class SnapshotRing:
+    """``keep`` slots of host buffers; the newest sealed snapshot is never overwritten."""
+
+    def __init__(self, keep: int) -> None:
+        if keep < 2:
+            raise ValueError("the ring needs at least 2 slots: the newest may not be sealed yet")
+        self.keep = keep
+        self.slots: list[Snapshot | None] = [None] * keep
+        # Host buffers outlive the snapshots in them: a dropped snapshot frees its slot, and
+        # the next capture into that slot reuses the allocation.
+        self._buffers: list[list[torch.Tensor]] = [[] for _ in range(keep)]
+        self._stream: Any = None
+
+    # --- capture --------------------------------------------------------------------------
+    def capture(self, step: int, state: dict[str, Any]) -> Snapshot:
+        """Copy ``state`` into a free slot (the oldest one that is not the newest sealed)."""
+        victim = self._victim()
+        leaves: list[torch.Tensor] = []
+        skeleton = _flatten(state, leaves)
+        reuse = self._buffers[victim]
+        buffers: list[torch.Tensor] = []
+        on_cuda = any(t.is_cuda for t in leaves)
+        if on_cuda:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream()
+            self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), _maybe_stream(self._stream if on_cuda else None):
+            for i, src in enumerate(leaves):
+                dst = reuse[i] if i < len(reuse) else None
+                if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
+                    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+                dst.copy_(src.detach(), non_blocking=src.is_cuda)
+                buffers.append(dst)
+        ready = None
+        if on_cuda:
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        snap = Snapshot(
+            step=step,
+            skeleton=skeleton,
+            buffers=buffers,
+            nbytes=sum(b.numel() * b.element_size() for b in buffers),
+            ready=ready,
+        )
+        self._buffers[victim] = buffers
+        self.slots[victim] = snap
+        return snap
+
+    def fence(self) -> None:
+        """Make the compute stream wait for in-flight copies. Call before mutating state."""
+        for s in self.slots:
+            if s is not None and s.ready is not None:
+                torch.cuda.current_stream().wait_event(s.ready)
+
+    def _victim(self) -> int:
+        for i, s in enumerate(self.slots):
+            if s is None:
+                return i
+        newest_sealed = self.newest(lambda s: s.sealed)
+        candidates = [i for i, s in enumerate(self.slots) if s is not newest_sealed]
+        return min(candidates, key=lambda i: self.slots[i].step)  # type: ignore[union-attr]
+
+    # --- queries and bookkeeping ----------------------------------------------------------
+    def snapshots(self) -> list[Snapshot]:
+        return sorted((s for s in self.slots if s is not None), key=lambda s: s.step)
+
+    def newest(self, pred: Callable[[Snapshot], bool]) -> Snapshot | None:
+        matches = [s for s in self.snapshots() if pred(s)]
+        return matches[-1] if matches else None
+
+    def has(self, step: int) -> bool:
+        return any(s.step == step for s in self.snapshots())
+
+    def seal_through(self, committed_step: int, seal_after_steps: int) -> list[Snapshot]:
+        """Seal snapshots whose ``seal_after_steps`` steps are all committed now."""
+        sealed = []
+        for s in self.snapshots():
+            if not s.sealed and committed_step >= s.step + seal_after_steps - 1:
+                s.wait()
+                s.sealed = True
+                sealed.append(s)
+        return sealed
+
+    def drop_after(self, step: int) -> None:
+        """Forget snapshots of a timeline that was rolled back (newer than ``step``) and the
+        unsealed ones; their buffers stay allocated for reuse."""
+        for i, s in enumerate(self.slots):
+            if s is not None and (s.step > step or not s.sealed):
+                s.wait()
+                self.slots[i] = None
+
+    def pick(self, bad_step: int, min_age_steps: int) -> tuple[Snapshot | None, bool]:
+        """Newest sealed snapshot at least ``min_age_steps`` older than ``bad_step``.
+
+        Returns ``(snapshot, age_met)``; falls back to the oldest sealed one when none is old
+        enough, and to ``None`` when nothing is sealed.
+        """
+        sealed = [s for s in self.snapshots() if s.sealed]
+        old_enough = [s for s in sealed if s.step <= bad_step - min_age_steps]
+        if old_enough:
+            return old_enough[-1], True
+        return (sealed[0], False) if sealed else (None, False)
+
+    def host_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for bufs in self._buffers for b in bufs)
+
+
+class _maybe_stream:
+    def __init__(self, stream: Any) -> None:
+        self.ctx = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self) -> None:
+        if self.ctx is not None:
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
