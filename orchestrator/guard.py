@@ -194,6 +194,10 @@ class Guard:
             shuffle=shuffle,
         )
         self._sampler.quarantine(self._quarantined)
+        # DataLoader draws its workers' base seed from this generator each time an iterator
+        # is made. Without its own generator that draw comes from the global torch RNG, and
+        # the extra iterator made after a rollback would shift every later dropout mask.
+        loader_kwargs.setdefault("generator", torch.Generator())
         self._loader = DataLoader(
             dataset,
             batch_sampler=self._sampler,
@@ -233,6 +237,10 @@ class Guard:
                         f"{self.ledger.url}; review the ledger or lower the batch size"
                     )
                 self._sampler.set_position(*self._pos)
+                if loader.generator is not None:
+                    # Worker seeds become a function of the data position: replays match.
+                    epoch, index = self._pos
+                    loader.generator.manual_seed(hash((self._sampler.seed, epoch, index)))
                 it, self._reset_iter = iter(loader), False
             if self.global_step % self.policy.snapshot.every_steps == 0 and not self.ring.has(self.global_step):
                 self._snapshot()

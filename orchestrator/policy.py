@@ -152,10 +152,6 @@ Fault = Annotated[NanGradFault | InfLossFault | PoisonSampleFault, Field(discrim
 class Policy(_Section):
     """The whole policy. Build it with :func:`load_policy`, or in code: ``Policy(snapshot=...)``."""
 
-    run_dir: str | None = Field(
-        None, description="Run directory; null means $ORCHESTRATOR_RUN_DIR, else a fresh "
-        "./runs/<time>-<pid> agreed by all ranks.",
-    )
     snapshot: SnapshotPolicy = Field(default_factory=SnapshotPolicy)  # type: ignore[arg-type]
     detect: DetectPolicy = Field(default_factory=DetectPolicy)  # type: ignore[arg-type]
     quarantine: QuarantinePolicy = Field(default_factory=QuarantinePolicy)  # type: ignore[arg-type]

@@ -1,0 +1,95 @@
+"""Shared helpers: real subprocesses (python / torchrun), policies on disk, state comparison."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "train_gpt.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Run in a new session; on timeout kill the whole group (torchrun's workers included)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{cmd} timed out after {timeout}s; output:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+
+
+def train(run_dir: Path, nproc: int, *args: str, policy: dict[str, Any] | None = None,
+          save: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run the example trainer (python for 1 rank, torchrun for more) into ``run_dir``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {"ORCHESTRATOR_RUN_DIR": str(run_dir)}
+    if policy is not None:
+        path = run_dir.parent / f"{run_dir.name}-policy.yaml"
+        path.write_text(yaml.safe_dump(policy))
+        env["ORCHESTRATOR_POLICY"] = str(path)
+    extra = ["--save-final", str(run_dir / "final")] if save else []
+    if nproc == 1:
+        cmd = [sys.executable, str(EXAMPLE), *args, *extra]
+    else:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+            str(EXAMPLE), *args, *extra,
+        ]
+    return run(cmd, env)
+
+
+def journal(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "journal.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def kinds(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    return [e for e in journal(run_dir) if e["kind"] == kind]
+
+
+def final_states(run_dir: Path) -> list[dict[str, Any]]:
+    files = sorted((run_dir / "final").glob("rank*.pt"))
+    assert files, f"no final state in {run_dir}"
+    return [torch.load(f, weights_only=True) for f in files]
+
+
+def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (
+            f"{where}: tensors differ (max abs diff {(a.double() - b.double()).abs().max()})"
+        )
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys {a.keys()} != {b.keys()}"
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
