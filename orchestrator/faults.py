@@ -40,7 +40,7 @@ class FaultInjector:
 
     def _take(self, cls: type, step: int) -> bool:
         for f in self._pending:
-            if isinstance(f, cls) and f.step == step:  # type: ignore[attr-defined]
+            if isinstance(f, cls) and f.step == step:
                 self._pending.remove(f)
                 self.journal.write("fault", step, {"key": fault_key(f), "fault": f.model_dump()})
                 return True

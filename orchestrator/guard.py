@@ -30,8 +30,15 @@ from torch.utils.data import DataLoader, Dataset
 from orchestrator.adjust import LRAdjuster
 from orchestrator.comm import Comm
 from orchestrator.data import GuardBatchSampler
-from orchestrator.detect import GRAD_NONFINITE, GRAD_NORM_SQ, LOSS, LOSS_NONFINITE
-from orchestrator.detect import SpikeDetector, grad_norm, pack_local
+from orchestrator.detect import (
+    GRAD_NONFINITE,
+    GRAD_NORM_SQ,
+    LOSS,
+    LOSS_NONFINITE,
+    SpikeDetector,
+    grad_norm,
+    pack_local,
+)
 from orchestrator.engines import Engine, TorchEngine
 from orchestrator.errors import GaveUp, OrchestratorError, PolicyError, UsageError
 from orchestrator.faults import FaultInjector
@@ -213,15 +220,17 @@ class Guard:
         During an incident it may also yield sub-batches of the bad step (re-runs for
         isolation); ``guard.step`` then returns ``"probe"`` and nothing is applied.
         """
-        if self._sampler is None or loader.batch_sampler is not self._sampler:
+        sampler = self._sampler
+        if sampler is None or loader.batch_sampler is not sampler:
             raise UsageError("guard.batches needs the DataLoader returned by guard.dataloader")
+        assert sampler is not None  # narrowed for mypy, which loses it across the loop
         if not self.ring.snapshots():
             self._snapshot(initial=True)
         it: Iterator[Any] | None = None
         while True:
             if self._probe is not None:
                 ids = self._probe.next_group()
-                batch = loader.collate_fn([loader.dataset[i] for i in ids])  # type: ignore[misc]
+                batch = loader.collate_fn([loader.dataset[i] for i in ids])
                 self._begin_batch(ids)
                 with self.engine.local_grads():
                     yield batch
@@ -230,26 +239,28 @@ class Guard:
             if self.global_step >= max_steps:
                 return
             if it is None or self._reset_iter:
-                if self._sampler.batches_in_epoch(self._pos[0]) == 0:
+                if sampler.batches_in_epoch(self._pos[0]) == 0:
                     raise OrchestratorError(
                         f"epoch {self._pos[0]} has no full batch left: "
-                        f"{len(self._sampler.quarantined)} samples are quarantined in "
+                        f"{len(sampler.quarantined)} samples are quarantined in "
                         f"{self.ledger.url}; review the ledger or lower the batch size"
                     )
-                self._sampler.set_position(*self._pos)
+                sampler.set_position(*self._pos)
                 if loader.generator is not None:
                     # Worker seeds become a function of the data position: replays match.
                     epoch, index = self._pos
-                    loader.generator.manual_seed(hash((self._sampler.seed, epoch, index)))
+                    loader.generator.manual_seed(hash((sampler.seed, epoch, index)))
                 it, self._reset_iter = iter(loader), False
-            if self.global_step % self.policy.snapshot.every_steps == 0 and not self.ring.has(self.global_step):
+            if self.global_step % self.policy.snapshot.every_steps == 0 and not self.ring.has(
+                self.global_step
+            ):
                 self._snapshot()
             try:
                 batch = next(it)
             except StopIteration:
                 self._pos, it = (self._pos[0] + 1, 0), None
                 continue
-            self._begin_batch(self._sampler.batch_ids(*self._pos))
+            self._begin_batch(sampler.batch_ids(*self._pos))
             yield batch
             self._end_batch()
 
@@ -258,10 +269,15 @@ class Guard:
         if self._phase != "batch":
             raise UsageError(
                 f"[rank {self.comm.global_rank} step {self.global_step}] guard.backward was called "
-                + ("twice in one step: gradient accumulation is not supported yet"
-                   if self._phase == "backward" else "outside a guard.batches iteration")
+                + (
+                    "twice in one step: gradient accumulation is not supported yet"
+                    if self._phase == "backward"
+                    else "outside a guard.batches iteration"
+                )
             )
-        fault = self.faults.loss_fault(self.global_step, self._cur_ids, one_shot=self._probe is None)
+        fault = self.faults.loss_fault(
+            self.global_step, self._cur_ids, one_shot=self._probe is None
+        )
         if fault == "poison":
             loss = loss * float("nan")
         elif fault == "inf":
@@ -514,7 +530,9 @@ class Guard:
             logger.error(
                 "GAVE UP at step %d: %s. Journal: %s. Look at the incidents above, fix the "
                 "data or lower the LR, then start again.",
-                self.global_step, why, self.journal.path,
+                self.global_step,
+                why,
+                self.journal.path,
             )
         self.close()
         raise GaveUp(f"gave up at step {self.global_step}: {why}")

@@ -37,7 +37,8 @@ class Incident:
             verdict = "did not reproduce: transient (suspect hardware or a one-off)"
         lines = [
             f"INCIDENT at step {self.step}: {self.reason}",
-            f"  global loss {self.loss:.6g}, grad norm {self.grad_norm:.6g}; origin rank(s): {origin}",
+            f"  global loss {self.loss:.6g}, grad norm {self.grad_norm:.6g}; "
+            f"origin rank(s): {origin}",
             f"  re-run of the step ({self.probe_steps} probe passes): {verdict}",
             f"  quarantined samples: {self.quarantined if self.quarantined else 'none'}",
             f"  rolled back to step {self.rolled_back_to}; LR multiplier now {self.lr_multiplier:g}"

@@ -29,18 +29,24 @@ class _Section(BaseModel):
 class SnapshotPolicy(_Section):
     every_steps: int = Field(10, ge=1, description="Take an in-memory snapshot every N steps.")
     keep: int = Field(
-        2, ge=2, description="Ring slots per rank (>= 2: the newest may not be sealed yet); "
+        2,
+        ge=2,
+        description="Ring slots per rank (>= 2: the newest may not be sealed yet); "
         "host buffers are allocated once and reused.",
     )
     seal_after_steps: int = Field(
         1, ge=1, description="Clean steps after a snapshot's own step before it may be used."
     )
     min_age_steps: int = Field(
-        0, ge=0, description="Roll back only to a snapshot at least this many steps older "
+        0,
+        ge=0,
+        description="Roll back only to a snapshot at least this many steps older "
         "than the bad step (use > 0 when damage may precede detection).",
     )
     max_host_memory_gb: float | None = Field(
-        None, gt=0, description="Budget for the ring on this host (all local ranks together); "
+        None,
+        gt=0,
+        description="Budget for the ring on this host (all local ranks together); "
         "null means only the free host memory limits it.",
     )
 
@@ -59,7 +65,8 @@ class SnapshotPolicy(_Section):
 class SpikePolicy(_Section):
     enabled: bool = Field(False, description="Treat loss / grad-norm spikes as incidents.")
     metrics: list[Literal["loss", "grad_norm"]] = Field(
-        default_factory=lambda: ["loss"], description="Which global values are watched."
+        default_factory=lambda: ["loss"],  # type: ignore[arg-type]
+        description="Which global values are watched.",
     )
     window: int = Field(100, ge=8, description="Rolling history length (steps).")
     min_history: int = Field(20, ge=4, description="No spike decision before this many steps.")
@@ -87,12 +94,14 @@ class DetectPolicy(_Section):
 class QuarantinePolicy(_Section):
     enabled: bool = Field(True, description="Quarantine the samples of a bad step.")
     scope: Literal["step", "window"] = Field(
-        "step", description="'step': the bad step's samples; 'window': also the samples of the "
+        "step",
+        description="'step': the bad step's samples; 'window': also the samples of the "
         "window_steps steps before it (PaLM-style skip).",
     )
     window_steps: int = Field(0, ge=0, description="Steps before the bad one, for scope=window.")
     isolate: bool = Field(
-        True, description="With scope=step, re-run sub-batches of the bad step (bisection) to "
+        True,
+        description="With scope=step, re-run sub-batches of the bad step (bisection) to "
         "quarantine only the samples that reproduce the non-finite value. A step that does not "
         "reproduce is treated as transient and quarantines nothing.",
     )

@@ -25,12 +25,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: list[str], env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
     """Run in a new session; on timeout kill the whole group (torchrun's workers included)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True,
+        cmd,
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         out, _ = proc.communicate(timeout=timeout)
@@ -41,8 +48,9 @@ def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 180)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
 
 
-def train(run_dir: Path, nproc: int, *args: str, policy: dict[str, Any] | None = None,
-          save: bool = True) -> subprocess.CompletedProcess[str]:
+def train(
+    run_dir: Path, nproc: int, *args: str, policy: dict[str, Any] | None = None, save: bool = True
+) -> subprocess.CompletedProcess[str]:
     """Run the example trainer (python for 1 rank, torchrun for more) into ``run_dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {"ORCHESTRATOR_RUN_DIR": str(run_dir)}
@@ -55,9 +63,18 @@ def train(run_dir: Path, nproc: int, *args: str, policy: dict[str, Any] | None =
         cmd = [sys.executable, str(EXAMPLE), *args, *extra]
     else:
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-            str(EXAMPLE), *args, *extra,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(EXAMPLE),
+            *args,
+            *extra,
         ]
     return run(cmd, env)
 
@@ -89,7 +106,7 @@ def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
             assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_bitwise_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"

@@ -57,7 +57,9 @@ def test_transient_nan_grad_rolls_back_bit_for_bit(tmp_path: Path, clean_exact: 
 def test_poison_sample_quarantined_bit_for_bit(tmp_path: Path) -> None:
     bad = poison_id(45)
     faulty = tmp_path / "faulty"
-    r = train(faulty, 2, *STEPS, policy={**EXACT, "faults": [{"kind": "poison_sample", "sample": bad}]})
+    r = train(
+        faulty, 2, *STEPS, policy={**EXACT, "faults": [{"kind": "poison_sample", "sample": bad}]}
+    )
     assert r.returncode == 0, r.stdout[-3000:]
     ledger = [json.loads(x) for x in (faulty / "quarantine.jsonl").read_text().splitlines()]
     assert [e["sample"] for e in ledger] == [bad]
@@ -69,7 +71,9 @@ def test_poison_sample_quarantined_bit_for_bit(tmp_path: Path) -> None:
     # A clean run whose ledger holds the id from the start.
     pre = tmp_path / "prequarantined"
     pre.mkdir()
-    (pre / "quarantine.jsonl").write_text(json.dumps({"sample": bad, "step": -1, "reason": "test"}) + "\n")
+    (pre / "quarantine.jsonl").write_text(
+        json.dumps({"sample": bad, "step": -1, "reason": "test"}) + "\n"
+    )
     r = train(pre, 2, *STEPS, policy=EXACT)
     assert r.returncode == 0, r.stdout[-3000:]
     assert not kinds(pre, "incident")
@@ -86,7 +90,10 @@ def test_default_adjustment_cuts_and_ramps_back(tmp_path: Path) -> None:
     d = tmp_path / "run"
     r = train(d, 2, *STEPS, policy=policy, save=False)
     assert r.returncode == 0, r.stdout[-3000:]
-    adjust = [(e["step"], e["details"]["phase"], e["details"]["lr_multiplier"]) for e in kinds(d, "adjust")]
+    adjust = [
+        (e["step"], e["details"]["phase"], e["details"]["lr_multiplier"])
+        for e in kinds(d, "adjust")
+    ]
     (rb,) = kinds(d, "rollback")
     to = rb["details"]["to_step"]
     assert adjust == [(to, "cut", 0.5), (to + 5, "rewarm_start", 0.5), (to + 15, "restored", 1.0)]
@@ -107,7 +114,13 @@ def test_recurring_poison_gives_up_with_exit_code(tmp_path: Path) -> None:
     assert len(kinds(d, "incident")) == 3 and len(kinds(d, "rollback")) == 2
     # The worker's own exit code (torchrun reports its own): one process, same policy.
     d1 = tmp_path / "single"
-    r = train(d1, 1, *STEPS, policy={**policy, "faults": [{"kind": "poison_sample", "sample": poison_id(12, 1)}]}, save=False)
+    r = train(
+        d1,
+        1,
+        *STEPS,
+        policy={**policy, "faults": [{"kind": "poison_sample", "sample": poison_id(12, 1)}]},
+        save=False,
+    )
     assert r.returncode == EXIT_GAVE_UP, r.stdout[-3000:]
     assert kinds(d1, "gave_up") and kinds(d1, "run_end")
 
@@ -123,5 +136,11 @@ def test_example_demo_prints_account(tmp_path: Path) -> None:
     ]
     assert r.stdout.count("INCIDENT at step") == 2
     assert {e["kind"] for e in journal(d)} >= {
-        "run_start", "snapshot", "incident", "quarantine", "rollback", "adjust", "run_end"
+        "run_start",
+        "snapshot",
+        "incident",
+        "quarantine",
+        "rollback",
+        "adjust",
+        "run_end",
     }

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator import Policy, PolicyError, load_policy, parse_policy
-
 from conftest import REPO
+from orchestrator import Policy, PolicyError, load_policy, parse_policy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,7 +20,10 @@ def _validate(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
     f.write_text(text)
     return subprocess.run(
         [sys.executable, "-m", "launch.cli", "validate", str(f)],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
