@@ -1,0 +1,164 @@
+"""The Guard in one process (no torch.distributed): API contract, scaler, spikes, window
+quarantine, memory budget. Multi-rank behaviour is in test_ddp_e2e.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from conftest import assert_bitwise_equal
+from orchestrator import Guard, PolicyError, UsageError, parse_policy
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Regression(Dataset):
+    """y = x . w + noise; sample ``spike`` gets a huge target (a 'bad label')."""
+
+    def __init__(self, n: int = 256, spike: int | None = None) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x @ torch.arange(8.0) + 0.1 * torch.randn(n, generator=g)
+        if spike is not None:
+            self.y[spike] = 1e4
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def train(
+    run_dir: Path,
+    policy: dict[str, Any],
+    steps: int = 40,
+    dataset: Dataset | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> tuple[Guard, dict[str, Any], list[str]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(32, 1)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.9)
+    guard = Guard(
+        parse_policy(policy),
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        scaler=scaler,
+        run_dir=str(run_dir),
+    )
+    loader = guard.dataloader(dataset or Regression(), batch_size=8, seed=1)
+    outcomes = []
+    for x, y in guard.batches(loader, max_steps=steps):
+        loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+        guard.backward(loss)
+        outcomes.append(guard.step(loss))
+    guard.close()
+    return guard, {"model": model.state_dict(), "optim": opt.state_dict()}, outcomes
+
+
+def events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    lines = (run_dir / "journal.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+EXACT = {"adjust": {"lr_factor": 1.0}, "quarantine": {"enabled": False}}
+
+
+def test_single_process_inf_loss_rollback_is_bit_for_bit(tmp_path: Path) -> None:
+    _, clean, _ = train(tmp_path / "clean", EXACT)
+    faulty = {**EXACT, "faults": [{"kind": "inf_loss", "step": 23}]}
+    guard, state, outcomes = train(tmp_path / "faulty", faulty)
+    assert outcomes.count("incident") == 1 and guard.rollbacks == 1
+    (inc,) = events(tmp_path / "faulty", "incident")
+    assert inc["details"]["reason"] == "nonfinite_loss" and inc["details"]["per_rank"] == [
+        {"loss": True, "grads": False}
+    ]
+    assert_bitwise_equal(clean, state)
+
+
+def test_rerun_after_restart_does_not_refire_one_shot_fault(tmp_path: Path) -> None:
+    faulty = {**EXACT, "faults": [{"kind": "nan_grad", "step": 5}]}
+    train(tmp_path / "run", faulty, steps=10)
+    guard, _, outcomes = train(tmp_path / "run", faulty, steps=10)  # same run dir
+    assert "incident" not in outcomes and not guard.incidents
+
+
+def test_api_misuse_says_what_to_do(tmp_path: Path) -> None:
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(parse_policy({}), model=model, optimizer=opt, run_dir=str(tmp_path))
+    loader = guard.dataloader(Regression(), batch_size=4)
+    batches = guard.batches(loader, max_steps=5)
+    x, y = next(batches)
+    loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+    with pytest.raises(UsageError, match="needs guard.backward"):
+        guard.step(loss)
+    guard.backward(loss)
+    with pytest.raises(UsageError, match="gradient accumulation is not supported"):
+        guard.backward(loss)
+    with pytest.raises(UsageError, match="DataLoader returned by guard.dataloader"):
+        next(guard.batches(torch.utils.data.DataLoader(Regression()), max_steps=1))
+
+
+def test_ring_that_cannot_fit_fails_at_start(tmp_path: Path) -> None:
+    model = torch.nn.Linear(1024, 1024)
+    opt = torch.optim.Adam(model.parameters())
+    policy = parse_policy({"snapshot": {"keep": 3, "max_host_memory_gb": 0.01}})
+    with pytest.raises(PolicyError, match=r"snapshot.keep=3 needs .* snapshot.max_host_memory_gb"):
+        Guard(policy, model=model, optimizer=opt, run_dir=str(tmp_path))
+
+
+def test_spike_is_an_incident_and_quarantines_the_step(tmp_path: Path) -> None:
+    probe = Guard(
+        parse_policy({}),
+        model=torch.nn.Linear(8, 1),
+        optimizer=torch.optim.SGD(torch.nn.Linear(8, 1).parameters(), lr=0.1),
+        run_dir=str(tmp_path / "probe"),
+    )
+    probe.dataloader(Regression(), batch_size=8, seed=1)
+    assert probe._sampler is not None
+    step_ids = probe._sampler.batch_ids(0, 25)
+    policy = {
+        "detect": {"spike": {"enabled": True, "window": 16, "min_history": 8, "zscore": 8.0}},
+        "adjust": {"lr_factor": 0.5},
+    }
+    guard, _, outcomes = train(tmp_path / "run", policy, dataset=Regression(spike=step_ids[3]))
+    assert outcomes.count("incident") == 1
+    (inc,) = events(tmp_path / "run", "incident")
+    assert inc["step"] == 25 and inc["details"]["reason"] == "spike_loss"
+    (q,) = events(tmp_path / "run", "quarantine")
+    assert q["details"]["samples"] == step_ids  # no isolation for spikes: the whole step
+    assert guard.global_step == 40
+
+
+def test_window_scope_quarantines_preceding_steps(tmp_path: Path) -> None:
+    policy = {
+        "quarantine": {"scope": "window", "window_steps": 2},
+        "faults": [{"kind": "inf_loss", "step": 12}],
+    }
+    guard, _, _ = train(tmp_path / "run", policy, steps=20)
+    assert guard._sampler is not None
+    (q,) = events(tmp_path / "run", "quarantine")
+    assert len(q["details"]["samples"]) == 3 * 8  # steps 10, 11 and 12
+    assert set(q["details"]["samples"]) == set(guard._sampler.quarantined)
+
+
+def test_grad_scaler_overflow_is_skipped_and_incident_cuts_scale(tmp_path: Path) -> None:
+    # An absurd initial scale overflows the scaled gradients: the scaler skips those steps.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**127)
+    policy = {**EXACT, "faults": [{"kind": "inf_loss", "step": 20}]}
+    guard, _, outcomes = train(tmp_path / "run", policy, scaler=scaler, steps=30)
+    assert outcomes[0] == "overflow_skip" and "commit" in outcomes
+    assert outcomes.count("incident") == 1  # only the non-finite loss is an incident
+    (adj,) = events(tmp_path / "run", "adjust")
+    assert adj["details"]["loss_scale_factor"] == 0.5
+    assert guard.global_step == 30

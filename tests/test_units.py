@@ -1,0 +1,179 @@
+"""Unit tests of the parts: sampler, snapshot ring, adjuster, bisection, ledger, journal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.adjust import LRAdjuster
+from orchestrator.data import GuardBatchSampler
+from orchestrator.detect import SpikeDetector
+from orchestrator.errors import OrchestratorError
+from orchestrator.guard import _Bisection
+from orchestrator.journal import Journal, read_journal
+from orchestrator.policy import AdjustPolicy, SpikePolicy
+from orchestrator.quarantine import Ledger
+from orchestrator.snapshot import SnapshotRing
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# --- sampler ------------------------------------------------------------------------------
+def test_sampler_shards_are_disjoint_and_deterministic() -> None:
+    s0 = GuardBatchSampler(100, 4, rank=0, world_size=2, seed=3)
+    s1 = GuardBatchSampler(100, 4, rank=1, world_size=2, seed=3)
+    assert s0.batches_in_epoch(0) == 12  # 100 // 8, last partial global batch dropped
+    for i in range(12):
+        a, b = s0.batch_ids(0, i), s1.batch_ids(0, i)
+        assert len(a) == len(b) == 4 and not set(a) & set(b)
+        assert a + b == s0.global_batch_ids(0, i)
+    assert list(s0) == list(GuardBatchSampler(100, 4, rank=0, world_size=2, seed=3))
+    assert s0.order(0).tolist() != s0.order(1).tolist()  # reshuffled per epoch
+
+
+def test_quarantine_only_shifts_samples_after_the_removed_one() -> None:
+    s = GuardBatchSampler(64, 4, rank=0, world_size=1, seed=0)
+    before = [s.batch_ids(0, i) for i in range(16)]
+    victim = before[9][2]
+    s.quarantine([victim])
+    after = [s.batch_ids(0, i) for i in range(15)]
+    assert after[:9] == before[:9]  # what ran before step 9 is unchanged
+    assert victim not in sum(after, [])
+    assert s.quarantined == {victim}
+
+
+def test_sampler_resumes_from_position() -> None:
+    s = GuardBatchSampler(40, 2, rank=0, world_size=1, seed=1)
+    full = list(s)
+    s.set_position(0, 7)
+    assert list(s) == full[7:]
+
+
+def test_sampler_rejects_dataset_smaller_than_a_global_batch() -> None:
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        GuardBatchSampler(5, 4, rank=0, world_size=2)
+
+
+# --- snapshot ring ------------------------------------------------------------------------
+def _state(v: float) -> dict:
+    return {"w": torch.full((3,), v), "n": {"k": [torch.tensor(int(v))]}, "meta": {"lr": v}}
+
+
+def test_ring_copies_reuses_buffers_and_never_evicts_newest_sealed() -> None:
+    ring = SnapshotRing(keep=2)
+    s0 = ring.capture(0, _state(0.0))
+    s0.sealed = True
+    live = _state(1.0)
+    s10 = ring.capture(10, live)
+    live["w"].fill_(99.0)  # mutating the source must not touch the snapshot
+    assert s10.materialize("w", clone=False).tolist() == [1.0, 1.0, 1.0]
+    assert s10.materialize("meta", clone=False) == {"lr": 1.0}
+    # s10 is unsealed, s0 is the newest sealed: the next capture must evict s10, not s0.
+    bufs = s10.buffers
+    s20 = ring.capture(20, _state(2.0))
+    assert [s.step for s in ring.snapshots()] == [0, 20]
+    assert s20.buffers[0] is bufs[0]  # same shape: the host buffer is reused
+    ring.seal_through(20, 1)
+    assert ring.pick(25, 0) == (s20, True)
+    assert ring.pick(25, 10) == (s0, True)
+    assert ring.pick(5, 10) == (s0, False)  # none old enough: oldest sealed, flagged
+    ring.drop_after(0)
+    assert [s.step for s in ring.snapshots()] == [0]
+
+
+def test_restored_optimizer_state_does_not_alias_the_snapshot() -> None:
+    from orchestrator.engines import TorchEngine
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    eng = TorchEngine(model, opt)
+    model(torch.randn(8, 4)).sum().backward()
+    eng.commit(1.0)
+    ring = SnapshotRing(keep=2)
+    snap = ring.capture(1, eng.state())
+    copy = [b.clone() for b in snap.buffers]
+    eng.restore(snap, 1.0)
+    for _ in range(3):
+        model(torch.randn(8, 4)).sum().backward()
+        eng.commit(1.0)
+    assert all(torch.equal(a, b) for a, b in zip(copy, snap.buffers, strict=True))
+
+
+# --- adjuster -----------------------------------------------------------------------------
+def test_adjuster_cut_hold_ramp_and_compounding() -> None:
+    adj = LRAdjuster(AdjustPolicy(lr_factor=0.5, hold_steps=2, rewarm_steps=4, min_lr_factor=0.2))
+    assert adj.multiplier() == 1.0
+    assert adj.on_incident() == 0.5
+    phases = []
+    mults = []
+    for _ in range(6):
+        mults.append(adj.multiplier())
+        phases.append(adj.on_commit())
+    assert mults == [0.5, 0.5, 0.5, 0.625, 0.75, 0.875]
+    assert phases == [None, "rewarm_start", None, None, None, "restored"]
+    assert adj.multiplier() == 1.0
+    adj.on_incident()
+    assert adj.on_incident() == 0.25 and adj.on_incident() == 0.2  # compounds, floored
+    assert LRAdjuster(AdjustPolicy(lr_factor=1.0)).on_incident() == 1.0
+
+
+# --- bisection ----------------------------------------------------------------------------
+def _bisect(suspects: list[int], bad: set[int], together: bool = False) -> tuple[list[int], int]:
+    b = _Bisection(suspects, filler=suspects[:1])
+    runs = 0
+    while True:
+        group = b.next_group()
+        hit = bad <= set(group) if together else bool(bad & set(group))
+        b.record(hit)
+        runs += 1
+        if not b.pending:
+            return sorted(b.culprits), runs
+
+
+def test_bisection_finds_culprits() -> None:
+    assert _bisect(list(range(8)), {5}) == ([5], 7)
+    assert _bisect(list(range(8)), {1, 6})[0] == [1, 6]
+    assert _bisect(list(range(8)), set()) == ([], 1)  # did not reproduce
+    # Two samples that fail only together: the smallest failing group is quarantined.
+    assert _bisect(list(range(8)), {2, 5}, together=True)[0] == list(range(8))
+
+
+# --- spikes -------------------------------------------------------------------------------
+def test_spike_detector_robust_zscore() -> None:
+    det = SpikeDetector(SpikePolicy(enabled=True, window=16, min_history=8, zscore=6.0))
+    for i in range(10):
+        assert det.check({"loss": 2.0 + 0.01 * (i % 3), "grad_norm": 1.0}) is None
+    hit = det.check({"loss": 5.0, "grad_norm": 1.0})
+    assert hit is not None and hit[0] == "loss" and hit[1] > 6.0
+    assert det.check({"loss": 2.01, "grad_norm": 1.0}) is None
+    assert SpikeDetector(SpikePolicy()).check({"loss": 1e9, "grad_norm": 0.0}) is None
+
+
+# --- ledger and journal -------------------------------------------------------------------
+def test_ledger_roundtrip_over_fsspec_memory() -> None:
+    led = Ledger("memory://ledger-test/q/quarantine.jsonl")
+    assert led.load() == set()
+    led.add([5, 3], step=10, reason="nonfinite_loss")
+    led.add([7], step=12, reason="spike_loss")
+    assert Ledger(led.url).load() == {3, 5, 7}
+
+
+def test_ledger_bad_line_names_file_and_line(tmp_path: Path) -> None:
+    f = tmp_path / "quarantine.jsonl"
+    f.write_text(json.dumps({"sample": 1}) + "\n" + '{"oops": 2}\n')
+    with pytest.raises(OrchestratorError, match=r"line 2"):
+        Ledger(str(f)).load()
+
+
+def test_journal_skips_torn_last_line(tmp_path: Path) -> None:
+    j = Journal(str(tmp_path), rank=0, attempt=2)
+    j.write("incident", 5, {"reason": "x"})
+    j.close()
+    with open(tmp_path / "journal.jsonl", "a") as f:
+        f.write('{"kind": "rollb')  # a crash mid-write
+    (e,) = list(read_journal(str(tmp_path)))
+    assert (e["kind"], e["step"], e["attempt"], e["details"]) == ("incident", 5, 2, {"reason": "x"})
