@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from orchestrator import Guard, load_policy, parse_policy, read_journal
+from orchestrator import Guard, PolicyError, load_policy, parse_policy, read_journal
 
 
 class SyntheticTokens(torch.utils.data.Dataset):
@@ -122,8 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     torch.manual_seed(1234 + rank)  # per-rank dropout streams
 
-    policy = demo_policy(world) if args.demo else load_policy(args.policy)
-    guard = Guard(policy, model=model, optimizer=opt, scheduler=sched, run_dir=args.run_dir)
+    try:
+        policy = demo_policy(world) if args.demo else load_policy(args.policy)
+        guard = Guard(policy, model=model, optimizer=opt, scheduler=sched, run_dir=args.run_dir)
+    except PolicyError as err:  # a policy that cannot be met: say why, no traceback
+        print(f"[rank {rank}] {err}", file=sys.stderr)
+        return 2
     loader = guard.dataloader(
         SyntheticTokens(args.samples, args.seq_len, vocab), batch_size=args.batch_size, seed=7
     )

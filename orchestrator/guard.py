@@ -482,6 +482,9 @@ class Guard:
         g = target.materialize("guard", clone=False)
         self.global_step, self._pos = g["step"], (g["epoch"], g["index"])
         self.ring.drop_after(target.step)
+        # Steps after the target belong to the abandoned timeline: forget their positions.
+        while self._recent and self._recent[-1][0] >= target.step:
+            self._recent.pop()
         self._reset_iter = True
         self.rollbacks += 1
         self._event(

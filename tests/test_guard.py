@@ -100,12 +100,12 @@ def test_api_misuse_says_what_to_do(tmp_path: Path) -> None:
     batches = guard.batches(loader, max_steps=5)
     x, y = next(batches)
     loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
-    with pytest.raises(UsageError, match="needs guard.backward"):
+    with pytest.raises(UsageError, match=r"needs guard\.backward"):
         guard.step(loss)
     guard.backward(loss)
     with pytest.raises(UsageError, match="gradient accumulation is not supported"):
         guard.backward(loss)
-    with pytest.raises(UsageError, match="DataLoader returned by guard.dataloader"):
+    with pytest.raises(UsageError, match=r"DataLoader returned by guard\.dataloader"):
         next(guard.batches(torch.utils.data.DataLoader(Regression()), max_steps=1))
 
 

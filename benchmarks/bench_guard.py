@@ -1,0 +1,195 @@
+"""Cost of the Guard on the example GPT, at 1 and 2 ranks (CPU/gloo here; NCCL on GPU).
+
+Reports, in one run:
+  * per-step cost of the check (pack + one all-reduce + one host read) as % of step time,
+    measured two ways: isolated (the check alone, many reps) and end to end (Guard loop vs
+    the same loop without the Guard, interleaved rounds, median);
+  * snapshot stall (ring.capture of the full per-rank state) as a ratio to a flat memcpy of
+    the same number of bytes into a preallocated host buffer.
+
+    python benchmarks/bench_guard.py            # 1 rank, then 2 ranks via torchrun
+    python benchmarks/bench_guard.py --json     # one JSON line per world size
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from train_gpt import SyntheticTokens, TinyGPT
+
+from orchestrator import Guard, parse_policy
+from orchestrator.comm import Comm
+from orchestrator.detect import pack_local
+from orchestrator.snapshot import SnapshotRing
+
+VOCAB, SEQ = 256, 64
+
+
+def _build(d: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model: torch.nn.Module = TinyGPT(VOCAB, SEQ, d, layers, heads=4)
+    if dist.is_initialized():
+        model = DDP(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+
+def _plain_steps(model, opt, loader, n: int) -> float:  # type: ignore[no-untyped-def]
+    it = iter(loader)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        loss = _loss(model, next(it))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return (time.perf_counter() - t0) / n
+
+
+def _guard_steps(guard: Guard, model, loader, n: int) -> float:  # type: ignore[no-untyped-def]
+    start = guard.global_step
+    t0 = time.perf_counter()
+    for batch in guard.batches(loader, max_steps=start + n):
+        loss = _loss(model, batch)
+        guard.backward(loss)
+        guard.step(loss)
+    return (time.perf_counter() - t0) / n
+
+
+def measure(args: argparse.Namespace) -> dict[str, float]:
+    comm = Comm()
+    model, opt = _build(args.d_model, args.layers)
+    ds = SyntheticTokens(100_000, SEQ, VOCAB)
+    plain_loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=True)
+    # No snapshots inside the timed guard loop: the check is measured alone here.
+    policy = parse_policy({"snapshot": {"every_steps": 1_000_000}})
+    with tempfile.TemporaryDirectory() as tmp:
+        guard = Guard(policy, model=model, optimizer=opt, run_dir=tmp)
+        loader = guard.dataloader(ds, batch_size=args.batch_size)
+        _plain_steps(model, opt, plain_loader, 3)  # warm up (lazy Adam state, allocator)
+        _guard_steps(guard, model, loader, 3)
+        plain, guarded = [], []
+        for _ in range(args.rounds):  # interleaved, so drift hits both alike
+            plain.append(_plain_steps(model, opt, plain_loader, args.steps))
+            guarded.append(_guard_steps(guard, model, loader, args.steps))
+        guard.close()
+
+    # The check in isolation: exactly what Guard.step adds on a healthy step.
+    params = [p for p in model.parameters() if p.grad is None]
+    loss = _loss(model, next(iter(plain_loader)))
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    del params
+    reps = 200
+    comm.all_reduce_sum_(pack_local(loss, grads, True, False)).tolist()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        comm.all_reduce_sum_(pack_local(loss, grads, True, False)).tolist()
+    check = (time.perf_counter() - t0) / reps
+    opt.zero_grad(set_to_none=True)
+
+    # Snapshot stall vs flat memcpy of the same bytes (both into reused host buffers).
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    ring = SnapshotRing(keep=2)
+    ring.capture(0, state).sealed = True  # allocate both slots
+    ring.capture(1, state)
+    nbytes = ring.snapshots()[-1].nbytes
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst.copy_(src)
+    snap_t, copy_t = [], []
+    for i in range(args.snap_reps):
+        t0 = time.perf_counter()
+        ring.capture(2 + i, state)
+        snap_t.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copy_t.append(time.perf_counter() - t0)
+
+    step_plain, step_guard = statistics.median(plain), statistics.median(guarded)
+    return {
+        "world_size": comm.world_size,
+        "step_ms": step_plain * 1e3,
+        "check_ms": check * 1e3,
+        "check_pct_of_step": 100 * check / step_plain,
+        "e2e_overhead_pct": 100 * (step_guard - step_plain) / step_plain,
+        "snapshot_mb": nbytes / 2**20,
+        "snapshot_ms": statistics.median(snap_t) * 1e3,
+        "memcpy_ms": statistics.median(copy_t) * 1e3,
+        "snapshot_vs_memcpy": statistics.median(snap_t) / statistics.median(copy_t),
+    }
+
+
+def _worker(args: argparse.Namespace) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    res = measure(args)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print("RESULT " + json.dumps(res), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10, help="steps per timed round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--snap-reps", type=int, default=10)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker or "WORLD_SIZE" in os.environ:
+        _worker(args)
+        return
+    passthrough = [a for a in sys.argv[1:] if a != "--json"]
+    results = []
+    for nproc in (1, 2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(port),
+               __file__, "--worker", *passthrough]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
+        results.append(json.loads(line[len("RESULT ") :]))
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+        return
+    print(f"{'ranks':>5} {'step ms':>8} {'check ms':>9} {'check %':>8} {'e2e %':>7} "
+          f"{'snap MB':>8} {'snap ms':>8} {'memcpy ms':>9} {'snap/memcpy':>11}")  # fmt: skip
+    for r in results:
+        print(
+            f"{r['world_size']:>5} {r['step_ms']:>8.2f} {r['check_ms']:>9.3f} "
+            f"{r['check_pct_of_step']:>7.2f}% {r['e2e_overhead_pct']:>6.2f}% "
+            f"{r['snapshot_mb']:>8.1f} {r['snapshot_ms']:>8.2f} {r['memcpy_ms']:>9.2f} "
+            f"{r['snapshot_vs_memcpy']:>10.2f}x"
+        )
+    print("targets: check <= 1% of step time; snapshot stall <= 1.5x flat memcpy")
+
+
+if __name__ == "__main__":
+    main()
