@@ -99,10 +99,10 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     del params
     reps = 200
-    comm.all_reduce_sum_(pack_local(loss, grads, True, False)).tolist()
+    comm.all_reduce_sum_(pack_local(loss, grads, True)).tolist()
     t0 = time.perf_counter()
     for _ in range(reps):
-        comm.all_reduce_sum_(pack_local(loss, grads, True, False)).tolist()
+        comm.all_reduce_sum_(pack_local(loss, grads, True)).tolist()
     check = (time.perf_counter() - t0) / reps
     opt.zero_grad(set_to_none=True)
 

@@ -144,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_final:
         os.makedirs(args.save_final, exist_ok=True)
         torch.save(
-            {"model": model.state_dict(), "optim": opt.state_dict(), "step": guard.global_step},
+            {
+                "model": getattr(model, "module", model).state_dict(),  # no DDP prefix
+                "optim": opt.state_dict(),
+                "step": guard.global_step,
+            },
             os.path.join(args.save_final, f"rank{rank}.pt"),
         )
     if rank == 0:

@@ -6,7 +6,10 @@ The CLI is an entry point, so it (and only it) installs a log handler.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
+import warnings
 
 from orchestrator.errors import PolicyError
 from orchestrator.policy import load_policy
@@ -24,6 +27,37 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _snapshots(args: argparse.Namespace) -> int:
+    from orchestrator.persist import DurableStore, default_url
+
+    target = args.target
+    url = target
+    policy_file = os.path.join(target, "policy.yaml")
+    if "://" not in target and os.path.isfile(policy_file):  # a run directory
+        try:
+            url = load_policy(policy_file).persist.url or default_url(os.path.abspath(target))
+        except PolicyError as err:
+            print(err, file=sys.stderr)
+            return EXIT_INVALID
+    store = DurableStore(url)
+    cands = store.candidates()
+    if not cands:
+        print(f"no snapshots under {url}")
+        return 0
+    print(f"snapshots under {url} (newest first)")
+    print(f"{'step':>10}  {'written (UTC)':19}  {'MB':>9}  {'ranks':>5}  status")
+    for c in cands:
+        m = c.manifest or {}
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m["time"])) if "time" in m else "-"
+        size = f"{m['bytes'] / 2**20:9.2f}" if "bytes" in m else f"{'-':>9}"
+        why = store.check(c) if not args.quick or not c.committed else None
+        status = "valid" if why is None else f"INVALID: {why}"
+        if args.quick and c.committed:
+            status = "committed (not verified: --quick)"
+        print(f"{c.step:>10}  {when:19}  {size}  {m.get('world_size', '-'):>5}  {status}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orchestrator",
@@ -33,10 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a policy YAML file; exit 2 if invalid")
     v.add_argument("file", help="path of the policy YAML")
     v.set_defaults(func=_validate)
+    sn = sub.add_parser(
+        "snapshots", help="list durable snapshots (step, time, size, valid or why not)"
+    )
+    sn.add_argument("target", help="a run directory, or the fsspec URL of a snapshot store")
+    sn.add_argument("--quick", action="store_true", help="skip checksums and loading")
+    sn.set_defaults(func=_snapshots)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    # DCP warns on every single-process load; this command does that on purpose.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

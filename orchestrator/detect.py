@@ -1,8 +1,10 @@
 """The hot-path check: local flags packed into one tensor, and spike detection on its sum.
 
 ``pack_local`` builds, on the loss's device and without a host sync,
-``[loss non-finite, grads non-finite, stop request, loss, grad-norm^2 partial]``. The Guard
-all-reduces it once; the SUM gives every rank the same decision and the global values.
+``[loss non-finite, grads non-finite, stop request, persist request, persist failed, loss,
+grad-norm^2 partial]``. The Guard all-reduces it once; the SUM gives every rank the same
+decision and the global values. The control slots carry requests that must be acted on by
+all ranks at the same step (rank 0's persist timer, a failed background write).
 """
 
 from __future__ import annotations
@@ -16,8 +18,7 @@ import torch
 from orchestrator.policy import SpikePolicy
 
 # Slots of the packed tensor.
-LOSS_NONFINITE, GRAD_NONFINITE, STOP, LOSS, GRAD_NORM_SQ = range(5)
-PACK_LEN = 5
+LOSS_NONFINITE, GRAD_NONFINITE, STOP, PERSIST_REQUEST, PERSIST_FAILED, LOSS, GRAD_NORM_SQ = range(7)
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -26,8 +27,12 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def pack_local(
-    loss: torch.Tensor, grads: Iterable[torch.Tensor], check_grads: bool, stop: bool
+    loss: torch.Tensor,
+    grads: Iterable[torch.Tensor],
+    check_grads: bool,
+    control: tuple[float, float, float] = (0.0, 0.0, 0.0),
 ) -> torch.Tensor:
+    """``control`` = (stop, persist request, persist failed), local values."""
     loss32 = loss.detach().float().reshape(())
     gl = list(grads) if check_grads else []
     if gl:
@@ -38,7 +43,7 @@ def pack_local(
         [
             (~torch.isfinite(loss32)).float(),
             (~torch.isfinite(norm)).float(),
-            torch.full((), float(stop), device=loss32.device),  # a fill kernel, no H2D copy
+            *(torch.full((), c, device=loss32.device) for c in control),  # fills, no H2D copy
             loss32,
             norm * norm,
         ]

@@ -3,47 +3,85 @@
 A poisoned sample makes the loss of every batch holding it non-finite, every time it is
 seen. Every other fault fires once per run directory: firing is journaled (``fault``) by the
 rank it fires on, and a Guard starting in the same run directory reads those events back, so
-a replay after a rollback or a restart does not fire it again.
+a replay after a rollback or a restart does not fire it again. ``storage_error`` counts its
+``times`` per rank and per process.
+
+The injector is shared by the training thread and the persist thread, hence the lock.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 from collections.abc import Iterable
 
 from orchestrator.journal import Journal, read_journal
-from orchestrator.policy import Fault, InfLossFault, NanGradFault, PoisonSampleFault
+from orchestrator.policy import (
+    CrashFault,
+    Fault,
+    InfLossFault,
+    NanGradFault,
+    PoisonSampleFault,
+    StorageErrorFault,
+    TruncateSnapshotFault,
+)
 
 
 def fault_key(f: Fault) -> str:
     if isinstance(f, PoisonSampleFault):
         return f"poison_sample:{f.sample}"
+    if isinstance(f, StorageErrorFault):
+        return f"storage_error:{f.op}x{f.times}"
+    if isinstance(f, TruncateSnapshotFault):
+        return f"truncate_snapshot@{f.step}"
     return f"{f.kind}@{f.step}:r{f.rank}"
+
+
+class InjectedStorageError(OSError):
+    """A storage failure injected by the ``storage_error`` fault."""
 
 
 class FaultInjector:
     def __init__(self, faults: list[Fault], rank: int, run_dir: str, journal: Journal) -> None:
         self.rank = rank
         self.journal = journal
-        mine = [f for f in faults if isinstance(f, PoisonSampleFault) or f.rank == rank]
+        self._lock = threading.Lock()
         fired = {
             e["details"].get("key")
             for e in read_journal(run_dir)
             if e.get("kind") == "fault" and e.get("rank") == rank
         }
-        self._pending = [f for f in mine if not isinstance(f, PoisonSampleFault)]
-        self._pending = [f for f in self._pending if fault_key(f) not in fired]
+        once = (NanGradFault, InfLossFault, CrashFault)
+        self._pending: list[Fault] = [
+            f
+            for f in faults
+            if isinstance(f, once) and f.rank == rank and fault_key(f) not in fired
+        ]
+        self._pending += [
+            f
+            for f in faults
+            if isinstance(f, TruncateSnapshotFault) and rank == 0 and fault_key(f) not in fired
+        ]
+        self._storage = {
+            i: f.times
+            for i, f in enumerate(faults)
+            if isinstance(f, StorageErrorFault) and f.rank in (None, rank)
+        }
+        self._storage_faults = faults
         self.poisoned = frozenset(f.sample for f in faults if isinstance(f, PoisonSampleFault))
 
-    @property
-    def active(self) -> bool:
-        return bool(self._pending or self.poisoned)
-
-    def _take(self, cls: type, step: int) -> bool:
-        for f in self._pending:
-            if isinstance(f, cls) and f.step == step:
-                self._pending.remove(f)
-                self.journal.write("fault", step, {"key": fault_key(f), "fault": f.model_dump()})
-                return True
+    def _take(self, cls: type, step: int, at_or_after: bool = False) -> bool:
+        with self._lock:
+            for f in self._pending:
+                fstep = getattr(f, "step", None)
+                hit = fstep is not None and (step >= fstep if at_or_after else step == fstep)
+                if isinstance(f, cls) and hit:
+                    self._pending.remove(f)
+                    self.journal.write(
+                        "fault", step, {"key": fault_key(f), "fault": f.model_dump()}
+                    )
+                    return True
         return False
 
     def loss_fault(self, step: int, sample_ids: Iterable[int], one_shot: bool) -> str | None:
@@ -60,3 +98,22 @@ class FaultInjector:
     def grad_fault(self, step: int) -> bool:
         """True when a NaN must be written into a gradient after backward."""
         return self._take(NanGradFault, step)
+
+    def maybe_crash(self, step: int) -> None:
+        """Die the way an OOM kill or a segfault does: no cleanup, no exit code of ours."""
+        if self._take(CrashFault, step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def storage(self, op: str, step: int) -> None:
+        """Raise an injected storage error for ``op`` while the fault has some left."""
+        with self._lock:
+            for i, left in self._storage.items():
+                f = self._storage_faults[i]
+                if left > 0 and isinstance(f, StorageErrorFault) and f.op == op:
+                    self._storage[i] = left - 1
+                    raise InjectedStorageError(
+                        f"injected storage error ({op}, {f.times - left + 1} of {f.times})"
+                    )
+
+    def truncate_due(self, step: int) -> bool:
+        return self._take(TruncateSnapshotFault, step, at_or_after=True)

@@ -35,6 +35,8 @@ from orchestrator.detect import (
     GRAD_NORM_SQ,
     LOSS,
     LOSS_NONFINITE,
+    PERSIST_FAILED,
+    PERSIST_REQUEST,
     SpikeDetector,
     grad_norm,
     pack_local,
@@ -44,6 +46,7 @@ from orchestrator.errors import GaveUp, OrchestratorError, PolicyError, UsageErr
 from orchestrator.faults import FaultInjector
 from orchestrator.incident import Incident
 from orchestrator.journal import Journal
+from orchestrator.persist import DurableStore, Persister, PersistError, default_url
 from orchestrator.policy import Policy, load_policy
 from orchestrator.quarantine import LEDGER_NAME, Ledger
 from orchestrator.snapshot import Snapshot, SnapshotRing
@@ -161,6 +164,24 @@ class Guard:
         self._reset_iter = True
         self._closed = False
 
+        persist = self.policy.persist
+        self.store = DurableStore(persist.url or default_url(self.run_dir))
+        self.persister: Persister | None = None
+        if persist.enabled:
+            self.persister = Persister(
+                persist,
+                self.store,
+                self.comm.rank,
+                self.comm.world_size,
+                self.journal,
+                extra={"policy_digest": self.policy.digest(), "engine": type(self.engine).__name__},
+                faults=self.faults,
+            )
+        self._persist_requested = False
+        self._persist_mark = 0  # newest sealed step considered for persisting
+        self._last_persist_time = time.monotonic()
+        self._resumed = False
+
         self._check_memory()
         if self.comm.rank == 0:
             with open(os.path.join(self.run_dir, "policy.yaml"), "w", encoding="utf-8") as f:
@@ -224,6 +245,10 @@ class Guard:
         if sampler is None or loader.batch_sampler is not sampler:
             raise UsageError("guard.batches needs the DataLoader returned by guard.dataloader")
         assert sampler is not None  # narrowed for mypy, which loses it across the loop
+        if not self._resumed:
+            self._resumed = True
+            if self.policy.persist.resume:
+                self._resume(sampler)
         if not self.ring.snapshots():
             self._snapshot(initial=True)
         it: Iterator[Any] | None = None
@@ -306,13 +331,26 @@ class Guard:
         assert self._loss is not None
         if self._probe is not None:
             return self._probe_step()
+        self.faults.maybe_crash(self.global_step)
         grads = self.engine.grads()
         if grads and self.faults.grad_fault(self.global_step):
             with torch.no_grad():
                 grads[0].view(-1)[0] = float("nan")
         check_grads = self.policy.detect.check_grads
-        packed = pack_local(self._loss, grads, check_grads, stop=False)
+        control = (0.0, float(self._persist_timer_due()), float(self._persist_failed()))
+        packed = pack_local(self._loss, grads, check_grads, control)
         vals = self.comm.all_reduce_sum_(packed).tolist()  # the one host sync of the step
+        if vals[PERSIST_REQUEST] > 0:
+            self._persist_requested = True
+            self._last_persist_time = time.monotonic()
+        if vals[PERSIST_FAILED] > 0 and self.policy.persist.required:
+            self._event("persist_required_failed", url=self.store.url)
+            raise PersistError(
+                f"[step {self.global_step}] a durable snapshot could not be written to "
+                f"{self.store.url} and persist.required is true: fix the storage (see "
+                "persist_failed in the journal) and restart; training resumes from the "
+                "newest committed snapshot"
+            )
         world = self.comm.world_size
         gloss = vals[LOSS] / world
         gnorm = math.sqrt(vals[GRAD_NORM_SQ] / (world if self.engine.grads_replicated else 1))
@@ -336,6 +374,10 @@ class Guard:
         if self._closed:
             return
         self._closed = True
+        if self.persister is not None:
+            if self._probe is None and self._open is None and self._resumed:
+                self._persist_final()
+            self.persister.close(self.policy.persist.commit_timeout_s)
         self._event(
             "run_end",
             steps=self.global_step,
@@ -369,18 +411,23 @@ class Guard:
         self.engine.commit(self.adjuster.multiplier())
         self._recent.append((self.global_step, *self._pos))
         self._pos = (self._pos[0], self._pos[1] + 1)
-        self.ring.seal_through(self.global_step, self.policy.snapshot.seal_after_steps)
+        for snap in self.ring.seal_through(self.global_step, self.policy.snapshot.seal_after_steps):
+            self._maybe_persist(snap)
         self.global_step += 1
         phase = self.adjuster.on_commit()
         if phase is not None:
             self._event("adjust", phase=phase, lr_multiplier=self.adjuster.multiplier())
         return outcome
 
-    def _snapshot(self, initial: bool = False) -> Snapshot:
+    def _snapshot(self, initial: bool = False) -> Snapshot | None:
         t0 = time.perf_counter()
         state = self.engine.state()
-        state["guard"] = {"step": self.global_step, "epoch": self._pos[0], "index": self._pos[1]}
+        state["guard"] = self._guard_state()
         snap = self.ring.capture(self.global_step, state)
+        if snap is None:
+            # Every slot is either the newest sealed one or still being persisted.
+            self._event("snapshot_skipped", reason="all ring slots busy (raise snapshot.keep)")
+            return None
         if initial:
             # The starting state is trusted as is: rolling back to it is a restart.
             snap.wait()
@@ -539,6 +586,120 @@ class Guard:
             )
         self.close()
         raise GaveUp(f"gave up at step {self.global_step}: {why}")
+
+    # ------------------------------------------------------------------ durable tier ---
+    def _guard_state(self) -> dict[str, Any]:
+        """Counters and data position saved with every snapshot. The data position is also
+        kept in samples, so a resume at another world size can convert it."""
+        global_batch = self._sampler.batch_size * self.comm.world_size if self._sampler else 0
+        return {
+            "step": self.global_step,
+            "epoch": self._pos[0],
+            "index": self._pos[1],
+            "global_batch": global_batch,
+            "adjust": self.adjuster.state_dict(),
+        }
+
+    def _persist_timer_due(self) -> bool:
+        every_s = self.policy.persist.every_s
+        return (
+            self.persister is not None
+            and every_s is not None
+            and self.comm.rank == 0  # one clock decides; the all-reduce tells the others
+            and time.monotonic() - self._last_persist_time >= every_s
+        )
+
+    def _persist_failed(self) -> bool:
+        return self.persister is not None and self.persister.failed
+
+    def _maybe_persist(self, snap: Snapshot) -> None:
+        # Only functions of the step and of all-reduced flags decide, so every rank picks
+        # the same snapshot; rank 0 commits it once all parts are there.
+        every = self.policy.persist.every_steps
+        crossed = every is not None and snap.step // every > self._persist_mark // every
+        self._persist_mark = max(self._persist_mark, snap.step)
+        if self.persister is None or not (crossed or self._persist_requested):
+            return
+        self._persist_requested = False
+        rank_local = self.comm.rank != 0 and self.engine.grads_replicated
+        keys = sorted(self.engine.rank_local_keys) if rank_local else list(snap.skeleton)
+        if not self.persister.submit(snap, keys):
+            # Rank 0 will wait for this part until persist.commit_timeout_s, then journal it.
+            self.journal.write("persist_skipped", snap.step, {"reason": "previous write busy"})
+
+    def _persist_final(self) -> None:
+        """Persist the state the loop ended with, so a finished run can be picked up (or
+        resumed at another world size) from its last step."""
+        assert self.persister is not None
+        if self.global_step <= self._persist_mark or self.global_step == 0:
+            return
+        self.persister.wait_idle(self.policy.persist.commit_timeout_s)
+        snap = self._snapshot()
+        if snap is None:
+            return
+        snap.wait()
+        snap.sealed = True  # its own step is not run: finiteness is checked on load instead
+        self._persist_requested = True
+        self._maybe_persist(snap)
+
+    def _resume(self, sampler: GuardBatchSampler) -> None:
+        """Restore the newest valid committed snapshot, agreed by every rank."""
+        listing = None
+        if self.comm.rank == 0:
+            listing = [(c.step, c.manifest) for c in self.store.candidates() if c.committed]
+        listing = self.comm.broadcast_object(listing)
+        rank = self.comm.rank
+        for step, manifest in listing:
+            tree: dict[str, Any] | None = None
+            error = None
+            try:
+                if manifest is None:
+                    raise PersistError(f"snapshot {step}: manifest.json is unreadable")
+                saved_world = int(manifest["world_size"])
+                own = rank if rank < saved_world else 0  # a new rank takes rank 0's RNG
+                self.faults.storage("read", step)
+                self.store.validate_files(step, manifest, sorted({0, own}))
+                tree = self.store.load_part(step, 0)
+                if own != 0:
+                    tree.update(self.store.load_part(step, own))
+            except (PersistError, OSError, ValueError, KeyError, RuntimeError) as err:
+                error = f"rank {rank}: {err}"
+            errors = [e for e in self.comm.all_gather_object(error) if e]
+            if errors:
+                self._event("snapshot_invalid", snapshot_step=step, reasons=errors)
+                continue
+            assert tree is not None
+            self._restore_resumed(tree, sampler, manifest)
+            return
+        if listing:
+            self._event("resume_failed", reason="no committed snapshot is valid; starting fresh")
+
+    def _restore_resumed(
+        self, tree: dict[str, Any], sampler: GuardBatchSampler, manifest: dict[str, Any]
+    ) -> None:
+        g = tree["guard"]
+        samples = int(g["index"]) * int(g["global_batch"])
+        global_batch = sampler.batch_size * self.comm.world_size
+        index, leftover = divmod(samples, global_batch)
+        tree["guard"] = {**g, "index": index, "global_batch": global_batch}
+        snap = self.ring.capture(int(g["step"]), tree)
+        assert snap is not None  # the ring is empty at start
+        snap.wait()
+        snap.sealed = True
+        self.engine.restore(snap, 1.0)
+        self.global_step, self._pos = int(g["step"]), (int(g["epoch"]), index)
+        self.adjuster.load_state_dict(g["adjust"])
+        self._persist_mark = self.global_step
+        self._event(
+            "resume",
+            snapshot_step=self.global_step,
+            url=self.store.url,
+            saved_world_size=manifest["world_size"],
+            world_size=self.comm.world_size,
+            epoch=self._pos[0],
+            index=index,
+            samples_replayed=leftover,
+        )
 
     # ------------------------------------------------------------------ setup ----------
     def _event(self, kind: str, **details: Any) -> None:

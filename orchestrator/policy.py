@@ -137,6 +137,55 @@ class EscalationPolicy(_Section):
     window_steps: int = Field(500, ge=1, description="Sliding window for the incident budget.")
 
 
+class PersistPolicy(_Section):
+    enabled: bool = Field(True, description="Write sealed snapshots to durable storage.")
+    url: str | None = Field(
+        None,
+        description="fsspec URL (file://, s3://, gs://, memory://, or a path); null "
+        "means RUN_DIR/snapshots.",
+    )
+    every_steps: int | None = Field(
+        100,
+        ge=1,
+        description="Persist the sealed snapshot of every N-th step (a multiple of "
+        "snapshot.every_steps); null: time-based only.",
+    )
+    every_s: float | None = Field(
+        None,
+        gt=0,
+        description="Also persist the next sealed snapshot once this many seconds "
+        "passed since the last (rank 0's clock decides, for all ranks).",
+    )
+    keep: int = Field(2, ge=1, description="Committed snapshots kept (the newest always is).")
+    keep_every_steps: int | None = Field(
+        None, ge=1, description="Also keep forever those whose step is a multiple of this."
+    )
+    required: bool = Field(
+        False,
+        description="Stop training (exit 1, restartable) when a snapshot cannot be "
+        "persisted after its retries; false: journal persist_failed and go on.",
+    )
+    retries: int = Field(5, ge=1, description="Attempts per storage operation (tenacity).")
+    retry_max_wait_s: float = Field(
+        10.0, gt=0, description="Cap of the exponential backoff (with jitter) between attempts."
+    )
+    commit_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long rank 0 waits for every rank's part before it "
+        "gives up on committing a snapshot.",
+    )
+    resume: bool = Field(
+        True, description="On start, restore the newest valid committed snapshot, if any."
+    )
+
+    @model_validator(mode="after")
+    def _has_trigger(self) -> PersistPolicy:
+        if self.enabled and self.every_steps is None and self.every_s is None:
+            raise ValueError("enabled persistence needs every_steps or every_s (or both)")
+        return self
+
+
 class _StepFault(_Section):
     step: int = Field(ge=0, description="Step at which the fault fires (0-based).")
     rank: int = Field(0, ge=0, description="Global rank on which it fires.")
@@ -155,7 +204,41 @@ class PoisonSampleFault(_Section):
     sample: int = Field(ge=0, description="Dataset index whose batches get a non-finite loss.")
 
 
-Fault = Annotated[NanGradFault | InfLossFault | PoisonSampleFault, Field(discriminator="kind")]
+class CrashFault(_StepFault):
+    kind: Literal["crash"]
+
+
+class StorageErrorFault(_Section):
+    kind: Literal["storage_error"]
+    op: Literal["write", "read"] = Field("write", description="Which storage operations fail.")
+    times: int = Field(1, ge=1, description="How many operations fail before storage heals.")
+    rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
+
+
+class TruncateSnapshotFault(_Section):
+    kind: Literal["truncate_snapshot"]
+    step: int = Field(
+        ge=0, description="Truncate a file of the first snapshot committed at or after this step."
+    )
+
+
+Fault = Annotated[
+    NanGradFault
+    | InfLossFault
+    | PoisonSampleFault
+    | CrashFault
+    | StorageErrorFault
+    | TruncateSnapshotFault,
+    Field(discriminator="kind"),
+]
+FAULT_KINDS = (
+    "nan_grad",
+    "inf_loss",
+    "poison_sample",
+    "crash",
+    "storage_error",
+    "truncate_snapshot",
+)
 
 
 class Policy(_Section):
@@ -164,6 +247,7 @@ class Policy(_Section):
     snapshot: SnapshotPolicy = Field(default_factory=SnapshotPolicy)  # type: ignore[arg-type]
     detect: DetectPolicy = Field(default_factory=DetectPolicy)  # type: ignore[arg-type]
     quarantine: QuarantinePolicy = Field(default_factory=QuarantinePolicy)  # type: ignore[arg-type]
+    persist: PersistPolicy = Field(default_factory=PersistPolicy)  # type: ignore[arg-type]
     adjust: AdjustPolicy = Field(default_factory=AdjustPolicy)  # type: ignore[arg-type]
     escalation: EscalationPolicy = Field(default_factory=EscalationPolicy)  # type: ignore[arg-type]
     faults: list[Fault] = Field(
@@ -181,7 +265,7 @@ def _yaml_path(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("nan_grad", "inf_loss", "poison_sample"):
+        elif part in FAULT_KINDS:
             continue  # discriminator tag pydantic inserts; not part of the YAML path
         else:
             out += f".{part}" if out else str(part)
@@ -196,7 +280,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check spelling; see configs/default.yaml for every key)"
         got = e.get("input")
-        shown = "" if e["type"] in ("extra_forbidden", "missing") else f" (got {got!r})"
+        quiet = ("extra_forbidden", "missing", "value_error")  # value_error: says it already
+        shown = "" if e["type"] in quiet else f" (got {got!r})"
         lines.append(f"  {path}: {msg}{shown}")
     return "\n".join(lines)
 

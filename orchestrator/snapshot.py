@@ -60,6 +60,7 @@ class Snapshot:
     buffers: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
     ready: Any = None  # CUDA event recorded after the copies, or None on CPU
+    pinned: bool = False  # being written to durable storage: its buffers must not be reused
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -99,9 +100,12 @@ class SnapshotRing:
         self._stream: Any = None
 
     # --- capture --------------------------------------------------------------------------
-    def capture(self, step: int, state: dict[str, Any]) -> Snapshot:
-        """Copy ``state`` into a free slot (the oldest one that is not the newest sealed)."""
+    def capture(self, step: int, state: dict[str, Any]) -> Snapshot | None:
+        """Copy ``state`` into a free slot: the oldest one that is neither the newest sealed
+        nor being persisted. Returns None (nothing copied) when no slot is free."""
         victim = self._victim()
+        if victim is None:
+            return None
         leaves: list[torch.Tensor] = []
         skeleton = _flatten(state, leaves)
         reuse = self._buffers[victim]
@@ -139,13 +143,17 @@ class SnapshotRing:
             if s is not None and s.ready is not None:
                 torch.cuda.current_stream().wait_event(s.ready)
 
-    def _victim(self) -> int:
-        for i, s in enumerate(self.slots):
-            if s is None:
-                return i
+    def _victim(self) -> int | None:
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        if free:
+            return free[0]
         newest_sealed = self.newest(lambda s: s.sealed)
-        candidates = [i for i, s in enumerate(self.slots) if s is not newest_sealed]
-        return min(candidates, key=lambda i: self.slots[i].step)  # type: ignore[union-attr]
+        usable = [
+            (s.step, i)
+            for i, s in enumerate(self.slots)
+            if s is not None and s is not newest_sealed and not s.pinned
+        ]
+        return min(usable)[1] if usable else None
 
     # --- queries and bookkeeping ----------------------------------------------------------
     def snapshots(self) -> list[Snapshot]:
@@ -175,6 +183,8 @@ class SnapshotRing:
             if s is not None and (s.step > step or not s.sealed):
                 s.wait()
                 self.slots[i] = None
+                if s.pinned:  # the persist thread still reads them: the slot gets new ones
+                    self._buffers[i] = []
 
     def pick(self, bad_step: int, min_age_steps: int) -> tuple[Snapshot | None, bool]:
         """Newest sealed snapshot at least ``min_age_steps`` older than ``bad_step``.

@@ -110,3 +110,6 @@ def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
             assert_bitwise_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+pytest_plugins = ["s3_server"]

@@ -21,6 +21,8 @@ class Engine(ABC):
     #: True when every rank holds the full, already-reduced gradient (single process, DDP):
     #: the packed grad-norm^2 SUM is then divided by the world size instead of summed shards.
     grads_replicated: bool = True
+    #: Top-level snapshot keys that differ between ranks even when the rest is replicated.
+    rank_local_keys: frozenset[str] = frozenset({"rng"})
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:

@@ -29,6 +29,9 @@ class TorchEngine(Engine):
         scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         self.model = model
+        # State is taken from the unwrapped module, so keys carry no DDP "module." prefix and
+        # a snapshot from a DDP run loads into a single-process run and back.
+        self.core = model.module if isinstance(model, DistributedDataParallel) else model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
@@ -79,7 +82,7 @@ class TorchEngine(Engine):
 
     def state(self) -> dict[str, Any]:
         return {
-            "model": self.model.state_dict(),
+            "model": self.core.state_dict(),
             "optim": self.optimizer.state_dict(),
             "sched": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -89,7 +92,7 @@ class TorchEngine(Engine):
     def restore(self, snap: Snapshot, loss_scale_factor: float) -> None:
         # load_state_dict copies into the live parameters, so the model part may alias
         # the host buffers; the optimizer keeps what it is given, so it gets clones.
-        self.model.load_state_dict(snap.materialize("model", clone=False))
+        self.core.load_state_dict(snap.materialize("model", clone=False))
         self.optimizer.load_state_dict(snap.materialize("optim", clone=True))
         if self.scheduler is not None:
             self.scheduler.load_state_dict(snap.materialize("sched", clone=True))
@@ -100,7 +103,7 @@ class TorchEngine(Engine):
         set_rng_state(snap.materialize("rng", clone=True))
 
     def estimate_state_bytes(self) -> int:
-        model = _tensor_bytes(self.model.state_dict().values())
+        model = _tensor_bytes(self.core.state_dict().values())
         optim = sum(_tensor_bytes(s.values()) for s in self.optimizer.state.values())
         if not self.optimizer.state:
             # Lazy optimizers (Adam & co.) create their state on the first step; assume two

@@ -1,0 +1,498 @@
+"""Durable snapshots: sealed host snapshots written through fsspec, committed atomically.
+
+Layout under ``persist.url`` (any fsspec URL)::
+
+    step_000000050/
+      rank_0/            DCP checkpoint (.metadata + *.distcp) of the tensors rank 0 writes
+      rank_0.json        rank 0's part: the state's structure and plain values (JSON), the
+                         shapes of its tensors, and size + sha256 of every file in rank_0/
+      rank_1/ ...
+      manifest.json      rank 0, once every rank's part is there: step, world size, files
+      COMMITTED          rank 0, last. Nothing without it is ever restored.
+
+Writes happen on a background thread per rank, with no collective: each rank writes its
+own part; rank 0 waits for all parts before it writes the manifest and the marker. A crash
+anywhere before the marker leaves a directory that listing and restore ignore.
+
+What each rank writes: on replicated engines (single process, DDP) the model, optimizer,
+scheduler, scaler and counters are identical on every rank, so rank 0 writes them once and
+every rank writes only its own RNG state. Loading is then possible at any world size.
+
+Loading trusts nothing: the manifest and marker must exist, every file's size and sha256
+must match before any byte goes to a deserializer (DCP reads ``.metadata`` with pickle, so
+the checksum check comes first), tensors are read by DCP with ``weights_only`` loads, plain
+values are JSON, and every floating tensor must be finite.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import torch
+import torch.distributed.checkpoint as dcp
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_random_exponential,
+)
+
+from orchestrator.errors import OrchestratorError
+from orchestrator.faults import FaultInjector
+from orchestrator.journal import Journal
+from orchestrator.policy import PersistPolicy
+from orchestrator.snapshot import Snapshot, _Leaf
+
+logger = logging.getLogger(__name__)
+
+MANIFEST, MARKER = "manifest.json", "COMMITTED"
+TRANSIENT = (OSError, TimeoutError)  # what storage throws when it is only having a bad moment
+
+
+class PersistError(OrchestratorError):
+    """A durable snapshot could not be written or is not valid."""
+
+
+def step_dir(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+# --- state <-> (JSON, tensors) ------------------------------------------------------------
+def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor], bufs: list[torch.Tensor]) -> Any:
+    if isinstance(obj, _Leaf):
+        tensors[path] = bufs[obj.index]
+        return {"__tensor__": path}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _encode(v, f"{path}/{k}", tensors, bufs) for k, v in obj.items()}
+        return {
+            "__items__": [[k, _encode(v, f"{path}/{k}", tensors, bufs)] for k, v in obj.items()]
+        }
+    if isinstance(obj, list):
+        return [_encode(v, f"{path}/{i}", tensors, bufs) for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, f"{path}/{i}", tensors, bufs) for i, v in enumerate(obj)]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if type(obj).__module__ == "numpy" and hasattr(obj, "tolist"):  # numpy RNG state arrays
+        return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
+    raise PersistError(
+        f"state entry {path} holds a {type(obj).__name__}, which cannot be persisted as JSON; "
+        "make its state_dict() return plain values and tensors"
+    )
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__items__" in obj:
+            return {k: _decode(v, tensors) for k, v in obj["__items__"]}
+        if "__tuple__" in obj:
+            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+        if "__ndarray__" in obj:
+            import numpy as np
+
+            return np.asarray(obj["__ndarray__"], dtype=obj["dtype"])
+        return {k: _decode(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    return obj
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise PersistError(f"unknown tensor dtype {name!r} in a snapshot part")
+    return dt
+
+
+# --- the store ----------------------------------------------------------------------------
+@dataclass
+class Candidate:
+    step: int
+    committed: bool
+    manifest: dict[str, Any] | None
+
+
+class DurableStore:
+    """The layout above, over one fsspec URL. Stateless; safe to use from several threads."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.fs, self.root = fsspec.core.url_to_fs(self.url)
+
+    def _p(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def _fresh(self) -> None:
+        # Object stores cache listings; other processes write here.
+        self.fs.invalidate_cache()
+
+    # writing ------------------------------------------------------------------------------
+    def write_part(self, snap: Snapshot, rank: int, world_size: int, keys: list[str]) -> int:
+        """Write this rank's part of ``snap`` (the top-level ``keys``); return bytes written."""
+        tensors: dict[str, torch.Tensor] = {}
+        skeleton = {k: _encode(snap.skeleton[k], k, tensors, snap.buffers) for k in keys}
+        d = step_dir(snap.step)
+        part = self._p(d, f"rank_{rank}")
+        self.fs.makedirs(part, exist_ok=True)
+        if tensors:
+            writer = _writer(self.fs, part)
+            dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
+        files: dict[str, dict[str, Any]] = {}
+        for info in self.fs.ls(part, detail=True):
+            name = info["name"].rsplit("/", 1)[-1]
+            files[f"rank_{rank}/{name}"] = {
+                "size": int(info["size"]),
+                "sha256": self._sha(info["name"]),
+            }
+        doc = {
+            "rank": rank,
+            "world_size": world_size,
+            "step": snap.step,
+            "keys": keys,
+            "skeleton": skeleton,
+            "tensors": {p: [list(t.shape), str(t.dtype)] for p, t in tensors.items()},
+            "files": files,
+        }
+        self._write_json(self._p(d, f"rank_{rank}.json"), doc)
+        return sum(int(f["size"]) for f in files.values())
+
+    def commit(
+        self, step: int, world_size: int, extra: dict[str, Any], timeout_s: float
+    ) -> dict[str, Any]:
+        """Rank 0: wait for every rank's part, then write the manifest and the marker."""
+        d = step_dir(step)
+        deadline = time.monotonic() + timeout_s
+        parts: dict[int, dict[str, Any]] = {}
+        while len(parts) < world_size:
+            self._fresh()
+            for r in range(world_size):
+                if r not in parts and self.fs.exists(self._p(d, f"rank_{r}.json")):
+                    parts[r] = self._read_json(self._p(d, f"rank_{r}.json"))
+            if len(parts) < world_size:
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(parts))
+                    raise PersistError(
+                        f"snapshot {step}: ranks {missing} did not write their part within "
+                        f"persist.commit_timeout_s={timeout_s}; it stays uncommitted"
+                    )
+                time.sleep(0.05)
+        files: dict[str, Any] = {}
+        for r in sorted(parts):
+            files.update(parts[r]["files"])
+            files[f"rank_{r}.json"] = {
+                "size": None,
+                "sha256": self._sha(self._p(d, f"rank_{r}.json")),
+            }
+        manifest = {
+            "step": step,
+            "world_size": world_size,
+            "time": time.time(),
+            "bytes": sum(f["size"] or 0 for f in files.values()),
+            "files": files,
+            **extra,
+        }
+        self._write_json(self._p(d, MANIFEST), manifest)
+        with self.fs.open(self._p(d, MARKER), "w") as f:
+            f.write(str(step))
+        return manifest
+
+    def _write_json(self, path: str, doc: dict[str, Any]) -> None:
+        with self.fs.open(path, "w", encoding="utf-8") as f:
+            json.dump(doc, f)
+
+    def _read_json(self, path: str) -> dict[str, Any]:
+        with self.fs.open(path, "r", encoding="utf-8") as f:
+            doc: dict[str, Any] = json.load(f)
+        return doc
+
+    def _sha(self, path: str) -> str:
+        h = hashlib.sha256()
+        with self.fs.open(path, "rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+        return h.hexdigest()
+
+    # listing ------------------------------------------------------------------------------
+    def candidates(self) -> list[Candidate]:
+        """Every step directory, newest first, with its manifest if committed."""
+        self._fresh()
+        if not self.fs.exists(self.root):
+            return []
+        out = []
+        for info in self.fs.ls(self.root, detail=True):
+            name = info["name"].rstrip("/").rsplit("/", 1)[-1]
+            if not name.startswith("step_"):
+                continue
+            try:
+                step = int(name[len("step_") :])
+            except ValueError:
+                continue
+            committed = self.fs.exists(self._p(name, MARKER))
+            manifest = None
+            if committed:
+                try:
+                    manifest = self._read_json(self._p(name, MANIFEST))
+                except (OSError, ValueError):
+                    manifest = None
+            out.append(Candidate(step, committed, manifest))
+        return sorted(out, key=lambda c: c.step, reverse=True)
+
+    def committed_steps(self) -> list[int]:
+        return [c.step for c in self.candidates() if c.committed]
+
+    # reading ------------------------------------------------------------------------------
+    def validate_files(self, step: int, manifest: dict[str, Any], ranks: list[int]) -> None:
+        """Sizes and checksums of the files of ``ranks``' parts; raises PersistError."""
+        d = step_dir(step)
+        for rel, meta in manifest["files"].items():
+            owner = rel.split("/", 1)[0].removesuffix(".json")
+            if owner not in {f"rank_{r}" for r in ranks}:
+                continue
+            path = self._p(d, rel)
+            if not self.fs.exists(path):
+                raise PersistError(f"snapshot {step}: {rel} is missing")
+            size = self.fs.size(path)
+            if meta["size"] is not None and size != meta["size"]:
+                raise PersistError(
+                    f"snapshot {step}: {rel} has {size} bytes, the manifest says "
+                    f"{meta['size']} (truncated?)"
+                )
+            if self._sha(path) != meta["sha256"]:
+                raise PersistError(
+                    f"snapshot {step}: {rel} does not match its sha256 (corrupt or tampered)"
+                )
+
+    def load_part(self, step: int, rank: int) -> dict[str, Any]:
+        """The state tree of one rank's part (only call after validate_files)."""
+        d = step_dir(step)
+        doc = self._read_json(self._p(d, f"rank_{rank}.json"))
+        template = {
+            p: torch.empty(shape, dtype=_dtype(dt)) for p, (shape, dt) in doc["tensors"].items()
+        }
+        if template:
+            dcp.load(
+                template, storage_reader=_reader(self.fs, self._p(d, f"rank_{rank}")), no_dist=True
+            )
+        for path, t in template.items():
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise PersistError(
+                    f"snapshot {step}: tensor {path} of rank {rank} holds non-finite values"
+                )
+        tree: dict[str, Any] = {k: _decode(v, template) for k, v in doc["skeleton"].items()}
+        return tree
+
+    def truncate_one(self, step: int) -> str:
+        """Fault injection: cut the largest tensor file of rank 0's part in half."""
+        part = self._p(step_dir(step), "rank_0")
+        files = [i for i in self.fs.ls(part, detail=True) if i["name"].endswith(".distcp")]
+        victim = max(files, key=lambda i: i["size"])["name"]
+        with self.fs.open(victim, "rb") as f:
+            data = f.read()
+        with self.fs.open(victim, "wb") as f:
+            f.write(data[: len(data) // 2])
+        return str(victim)
+
+    def check(self, cand: Candidate) -> str | None:
+        """Full validation of one snapshot, every rank's part: None if valid, else why not."""
+        if not cand.committed:
+            return "not committed (being written, or its writer died mid-write)"
+        if cand.manifest is None:
+            return "manifest.json missing or unreadable"
+        ranks = list(range(int(cand.manifest["world_size"])))
+        try:
+            self.validate_files(cand.step, cand.manifest, ranks)
+            for r in ranks:
+                self.load_part(cand.step, r)
+        except (PersistError, OSError, ValueError, KeyError, RuntimeError) as err:
+            return str(err)
+        return None
+
+    # retention ----------------------------------------------------------------------------
+    def prune(self, keep: int, keep_every_steps: int | None) -> list[int]:
+        """Delete committed snapshots beyond the newest ``keep`` (except multiples of
+        ``keep_every_steps``) and uncommitted leftovers older than the newest committed."""
+        cands = self.candidates()
+        committed = [c.step for c in cands if c.committed]
+        if not committed:
+            return []
+        keep_set = set(committed[: max(keep, 1)])  # never the newest committed
+        if keep_every_steps:
+            keep_set |= {s for s in committed if s % keep_every_steps == 0}
+        doomed = [
+            c.step
+            for c in cands
+            if c.step not in keep_set and (c.committed or c.step < committed[0])
+        ]
+        for s in doomed:
+            # The marker goes first: a half-deleted snapshot must never look committed.
+            marker = self._p(step_dir(s), MARKER)
+            if self.fs.exists(marker):
+                self.fs.rm(marker)
+            self.fs.rm(self._p(step_dir(s)), recursive=True)
+        return doomed
+
+
+def _writer(fs: Any, path: str) -> dcp.StorageWriter:
+    if _is_local(fs):
+        return dcp.FileSystemWriter(path, sync_files=True)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(fs.unstrip_protocol(path), sync_files=False)
+
+
+def _reader(fs: Any, path: str) -> dcp.StorageReader:
+    if _is_local(fs):
+        return dcp.FileSystemReader(path)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(fs.unstrip_protocol(path))
+
+
+def _is_local(fs: Any) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+# --- the background writer ----------------------------------------------------------------
+class Persister:
+    """One daemon thread per rank that writes sealed snapshots, one at a time.
+
+    ``submit`` never blocks: if the previous snapshot is still being written, the new one is
+    skipped (journaled) rather than stalling training.
+    """
+
+    def __init__(
+        self,
+        policy: PersistPolicy,
+        store: DurableStore,
+        rank: int,
+        world_size: int,
+        journal: Journal,
+        extra: dict[str, Any],
+        faults: FaultInjector,
+    ) -> None:
+        self.policy = policy
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.journal = journal
+        self.extra = extra
+        self.faults = faults
+        self.failed = False  # a persist ran out of retries (read by the training thread)
+        self.last_committed: int | None = None
+        self._q: queue.Queue[Snapshot | None] = queue.Queue(maxsize=1)
+        self._busy: Snapshot | None = None
+        self._thread = threading.Thread(target=self._run, name="orchestrator-persist", daemon=True)
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self._busy is not None
+
+    def submit(self, snap: Snapshot, keys: list[str]) -> bool:
+        if self._busy is not None:
+            return False
+        snap.pinned = True  # the ring must not reuse these buffers while we read them
+        self._busy = snap
+        self._keys = keys
+        self._q.put(snap)
+        return True
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait (bounded) until no snapshot is being written; True if idle."""
+        deadline = time.monotonic() + timeout_s
+        while self._busy is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self._busy is None
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finish the snapshot in flight (bounded by ``timeout_s``), then stop the thread."""
+        self._q.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            snap = self._q.get()
+            if snap is None:
+                return
+            try:
+                self._persist(snap)
+            except Exception as err:  # keep the thread alive; the failure is journaled
+                self.failed = True
+                logger.error(
+                    "[rank %d] durable snapshot of step %d failed: %s", self.rank, snap.step, err
+                )
+                self.journal.write(
+                    "persist_failed", snap.step, {"error": repr(err), "url": self.store.url}
+                )
+            finally:
+                snap.pinned = False
+                self._busy = None
+
+    def _retrying(self, what: str, step: int) -> Retrying:
+        def before_sleep(state: RetryCallState) -> None:
+            err = state.outcome.exception() if state.outcome else None
+            self.journal.write(
+                "persist_retry",
+                step,
+                {"op": what, "attempt": state.attempt_number, "error": repr(err)},
+            )
+
+        return Retrying(
+            stop=stop_after_attempt(self.policy.retries),
+            wait=wait_random_exponential(multiplier=0.2, max=self.policy.retry_max_wait_s),
+            retry=retry_if_exception_type(TRANSIENT),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+
+    def _persist(self, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
+        snap.wait()
+
+        def write() -> int:
+            self.faults.storage("write", snap.step)
+            return self.store.write_part(snap, self.rank, self.world_size, self._keys)
+
+        nbytes = self._retrying("write", snap.step)(write)
+        written = time.perf_counter() - t0
+        if self.rank != 0:
+            return
+        manifest = self._retrying("commit", snap.step)(
+            self.store.commit, snap.step, self.world_size, self.extra, self.policy.commit_timeout_s
+        )
+        self.last_committed = snap.step
+        if self.faults.truncate_due(snap.step):
+            self.store.truncate_one(snap.step)
+        self.journal.write(
+            "persist",
+            snap.step,
+            {
+                "url": self.store.url,
+                "bytes": manifest["bytes"],
+                "rank0_bytes": nbytes,
+                "write_s": round(written, 4),
+                "commit_s": round(time.perf_counter() - t0, 4),
+            },
+        )
+        pruned = self._retrying("prune", snap.step)(
+            self.store.prune, self.policy.keep, self.policy.keep_every_steps
+        )
+        if pruned:
+            self.journal.write("persist_prune", snap.step, {"deleted_steps": pruned})
+
+
+def default_url(run_dir: str) -> str:
+    return os.path.join(run_dir, "snapshots")
