@@ -15,49 +15,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_gpt import SyntheticTokens, TinyGPT
+from _common import SEQ, VOCAB, SyntheticTokens, build, init_dist, loss_of, report, spawn
 
 from orchestrator import Guard, parse_policy
 from orchestrator.comm import Comm
 from orchestrator.detect import pack_local
 from orchestrator.snapshot import SnapshotRing
 
-VOCAB, SEQ = 256, 64
-
-
-def _build(d: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model: torch.nn.Module = TinyGPT(VOCAB, SEQ, d, layers, heads=4)
-    if dist.is_initialized():
-        model = DDP(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-
-def _loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
-
 
 def _plain_steps(model, opt, loader, n: int) -> float:  # type: ignore[no-untyped-def]
     it = iter(loader)
     t0 = time.perf_counter()
     for _ in range(n):
-        loss = _loss(model, next(it))
+        loss = loss_of(model, next(it))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -68,7 +44,7 @@ def _guard_steps(guard: Guard, model, loader, n: int) -> float:  # type: ignore[
     start = guard.global_step
     t0 = time.perf_counter()
     for batch in guard.batches(loader, max_steps=start + n):
-        loss = _loss(model, batch)
+        loss = loss_of(model, batch)
         guard.backward(loss)
         guard.step(loss)
     return (time.perf_counter() - t0) / n
@@ -76,7 +52,7 @@ def _guard_steps(guard: Guard, model, loader, n: int) -> float:  # type: ignore[
 
 def measure(args: argparse.Namespace) -> dict[str, float]:
     comm = Comm()
-    model, opt = _build(args.d_model, args.layers)
+    model, opt = build(args.d_model, args.layers)
     ds = SyntheticTokens(100_000, SEQ, VOCAB)
     plain_loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=True)
     # No snapshots inside the timed guard loop: the check is measured alone here.
@@ -94,7 +70,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
 
     # The check in isolation: exactly what Guard.step adds on a healthy step.
     params = [p for p in model.parameters() if p.grad is None]
-    loss = _loss(model, next(iter(plain_loader)))
+    loss = loss_of(model, next(iter(plain_loader)))
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     del params
@@ -139,16 +115,6 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
-def _worker(args: argparse.Namespace) -> None:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("gloo")
-    res = measure(args)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print("RESULT " + json.dumps(res), flush=True)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--d-model", type=int, default=256)
@@ -160,21 +126,12 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker or "WORLD_SIZE" in os.environ:
-        _worker(args)
+    if args.worker:
+        init_dist()
+        report(measure(args))
         return
     passthrough = [a for a in sys.argv[1:] if a != "--json"]
-    results = []
-    for nproc in (1, 2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(port),
-               __file__, "--worker", *passthrough]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-        line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
-        results.append(json.loads(line[len("RESULT ") :]))
+    results = [spawn(__file__, nproc, passthrough) for nproc in (1, 2)]
     if args.json:
         for r in results:
             print(json.dumps(r))

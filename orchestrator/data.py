@@ -1,13 +1,19 @@
 """Deterministic, rank-sharded, resumable, quarantine-aware batching.
 
-The order of an epoch is a pure function of (seed, epoch, quarantined ids): a seeded
-permutation of the dataset indices with quarantined ids removed, cut into global batches of
-``batch_size * world_size``, rank ``r`` taking the ``r``-th slice of each. Removing an id only
-shifts the samples after it, so a run that quarantines sample X at step t and rolls back to a
-snapshot before t continues exactly as a run whose ledger held X from the start.
+The order of an epoch is a seeded permutation of the dataset indices (a pure function of
+seed and epoch). Quarantined ids are skipped; the remaining ones are cut, from the current
+position, into global batches of ``batch_size * world_size``, rank ``r`` taking the ``r``-th
+slice of each.
 
-The sampler's position is (epoch, index of the next batch); the Guard owns the consumed
-position (DataLoader workers prefetch ahead) and rewinds it after a rollback.
+The data position is ``(epoch, offset)`` with ``offset`` counted in the *unfiltered*
+permutation: the samples before it were consumed. Quarantining an id therefore never moves
+the position (whether the id lies before it or after it), and the position means the same
+at any world size. A run that quarantines sample X at step t and rolls back to a snapshot
+before t continues exactly as a run whose ledger held X from the start: only the samples
+after X's place in the order shift.
+
+The Guard owns the consumed position (DataLoader workers prefetch ahead) and rewinds it
+after a rollback.
 """
 
 from __future__ import annotations
@@ -37,13 +43,15 @@ class GuardBatchSampler(Sampler[list[int]]):
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
+        self.span = batch_size * world_size
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
-        self.index = 0
+        self.offset = 0
         self._quarantined: set[int] = set()
-        self._cache: tuple[int, torch.Tensor] | None = None  # (epoch, filtered order)
-        if self.batches_in_epoch(0) == 0:
+        # (epoch, kept ids in order, their offsets in the unfiltered permutation)
+        self._cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        if num_samples < self.span:
             raise ValueError(
                 f"the dataset has {num_samples} samples, fewer than one global batch "
                 f"(batch_size={batch_size} x world_size={world_size}); lower batch_size"
@@ -61,41 +69,54 @@ class GuardBatchSampler(Sampler[list[int]]):
             self._cache = None
 
     # --- order --------------------------------------------------------------------------
-    def order(self, epoch: int) -> torch.Tensor:
-        """Global sample order of ``epoch`` with quarantined ids removed (int64, CPU)."""
+    def _order(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kept ids of ``epoch`` in order, and their offsets in the unfiltered order."""
         if self._cache is not None and self._cache[0] == epoch:
-            return self._cache[1]
+            return self._cache[1], self._cache[2]
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             perm = torch.randperm(self.num_samples, generator=g)
         else:
             perm = torch.arange(self.num_samples)
+        offsets = torch.arange(self.num_samples)
         if self._quarantined:
             bad = torch.tensor(sorted(self._quarantined), dtype=torch.int64)
-            perm = perm[~torch.isin(perm, bad)]
-        self._cache = (epoch, perm)
-        return perm
+            keep = ~torch.isin(perm, bad)
+            perm, offsets = perm[keep], offsets[keep]
+        self._cache = (epoch, perm, offsets)
+        return perm, offsets
 
-    def batches_in_epoch(self, epoch: int) -> int:
-        return len(self.order(epoch)) // (self.batch_size * self.world_size)
+    def _start(self, epoch: int, offset: int) -> int:
+        """Index into the kept ids of the first sample not consumed at ``offset``."""
+        _, offsets = self._order(epoch)
+        return int(torch.searchsorted(offsets, offset))
 
-    def global_batch_ids(self, epoch: int, index: int) -> list[int]:
-        span = self.batch_size * self.world_size
-        return self.order(epoch)[index * span : (index + 1) * span].tolist()
+    def remaining_batches(self, epoch: int, offset: int) -> int:
+        kept, _ = self._order(epoch)
+        return (len(kept) - self._start(epoch, offset)) // self.span
 
-    def batch_ids(self, epoch: int, index: int, rank: int | None = None) -> list[int]:
+    def batch_at(self, epoch: int, offset: int, rank: int | None = None) -> tuple[list[int], int]:
+        """This rank's (or ``rank``'s) ids of the next batch, and the offset after it."""
+        kept, offsets = self._order(epoch)
+        start = self._start(epoch, offset)
         r = self.rank if rank is None else rank
-        start = index * self.batch_size * self.world_size + r * self.batch_size
-        return self.order(epoch)[start : start + self.batch_size].tolist()
+        ids = kept[start + r * self.batch_size : start + (r + 1) * self.batch_size].tolist()
+        return ids, int(offsets[start + self.span - 1]) + 1
+
+    def global_batch_at(self, epoch: int, offset: int) -> list[int]:
+        kept, _ = self._order(epoch)
+        start = self._start(epoch, offset)
+        return kept[start : start + self.span].tolist()
 
     # --- Sampler protocol -----------------------------------------------------------------
     def __iter__(self) -> Iterator[list[int]]:
-        epoch = self.epoch
-        for i in range(self.index, self.batches_in_epoch(epoch)):
-            yield self.batch_ids(epoch, i)
+        epoch, offset = self.epoch, self.offset
+        for _ in range(self.remaining_batches(epoch, offset)):
+            ids, offset = self.batch_at(epoch, offset)
+            yield ids
 
     def __len__(self) -> int:
-        return self.batches_in_epoch(self.epoch) - self.index
+        return self.remaining_batches(self.epoch, self.offset)
 
-    def set_position(self, epoch: int, index: int) -> None:
-        self.epoch, self.index = epoch, index
+    def set_position(self, epoch: int, offset: int) -> None:
+        self.epoch, self.offset = epoch, offset

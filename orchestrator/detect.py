@@ -1,10 +1,10 @@
 """The hot-path check: local flags packed into one tensor, and spike detection on its sum.
 
 ``pack_local`` builds, on the loss's device and without a host sync,
-``[loss non-finite, grads non-finite, stop request, persist request, persist failed, loss,
-grad-norm^2 partial]``. The Guard all-reduces it once; the SUM gives every rank the same
-decision and the global values. The control slots carry requests that must be acted on by
-all ranks at the same step (rank 0's persist timer, a failed background write).
+``[loss non-finite, grads non-finite, stop request, persist request, persist failed,
+persist busy, loss, grad-norm^2 partial]``. The Guard all-reduces it once; the SUM gives
+every rank the same decision and the global values. The control slots carry facts that all
+ranks must act on at the same step (rank 0's persist timer, a busy or failed writer).
 """
 
 from __future__ import annotations
@@ -18,7 +18,16 @@ import torch
 from orchestrator.policy import SpikePolicy
 
 # Slots of the packed tensor.
-LOSS_NONFINITE, GRAD_NONFINITE, STOP, PERSIST_REQUEST, PERSIST_FAILED, LOSS, GRAD_NORM_SQ = range(7)
+(
+    LOSS_NONFINITE,
+    GRAD_NONFINITE,
+    STOP,
+    PERSIST_REQUEST,
+    PERSIST_FAILED,
+    PERSIST_BUSY,
+    LOSS,
+    GRAD_NORM_SQ,
+) = range(8)
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -30,9 +39,9 @@ def pack_local(
     loss: torch.Tensor,
     grads: Iterable[torch.Tensor],
     check_grads: bool,
-    control: tuple[float, float, float] = (0.0, 0.0, 0.0),
+    control: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0),
 ) -> torch.Tensor:
-    """``control`` = (stop, persist request, persist failed), local values."""
+    """``control`` = (stop, persist request, persist failed, persist busy), local values."""
     loss32 = loss.detach().float().reshape(())
     gl = list(grads) if check_grads else []
     if gl:

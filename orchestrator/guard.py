@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils.data import DataLoader, Dataset
 
 from orchestrator.adjust import LRAdjuster
@@ -35,6 +36,7 @@ from orchestrator.detect import (
     GRAD_NORM_SQ,
     LOSS,
     LOSS_NONFINITE,
+    PERSIST_BUSY,
     PERSIST_FAILED,
     PERSIST_REQUEST,
     SpikeDetector,
@@ -46,7 +48,7 @@ from orchestrator.errors import GaveUp, OrchestratorError, PolicyError, UsageErr
 from orchestrator.faults import FaultInjector
 from orchestrator.incident import Incident
 from orchestrator.journal import Journal
-from orchestrator.persist import DurableStore, Persister, PersistError, default_url
+from orchestrator.persist import DurableStore, Persister, PersistError, default_url, storage_retry
 from orchestrator.policy import Policy, load_policy
 from orchestrator.quarantine import LEDGER_NAME, Ledger
 from orchestrator.snapshot import Snapshot, SnapshotRing
@@ -146,14 +148,18 @@ class Guard:
         )
         q = self.policy.quarantine
         self.ledger = Ledger(q.ledger_url or os.path.join(self.run_dir, LEDGER_NAME))
-        self._quarantined = self.ledger.load()
+        # Rank 0 reads, every rank gets the same set: shards must never overlap.
+        self._quarantined: set[int] = self.comm.broadcast_object(
+            self.ledger.load() if self.comm.rank == 0 else None
+        )
 
         self.global_step = 0  # committed steps so far = index of the next step (0-based)
         self.incidents: list[Incident] = []
         self.rollbacks = 0
         self._sampler: GuardBatchSampler | None = None
         self._loader: DataLoader[Any] | None = None
-        self._pos = (0, 0)  # (epoch, index) of the next batch to consume
+        self._pos = (0, 0)  # (epoch, offset in the unfiltered order) of the next batch
+        self._next_offset = 0  # where the batch being run ends
         self._recent: deque[tuple[int, int, int]] = deque(maxlen=max(q.window_steps, 0) + 1)
         self._cur_ids: list[int] = []
         self._phase = "idle"  # idle -> batch -> backward -> stepped
@@ -178,6 +184,10 @@ class Guard:
                 faults=self.faults,
             )
         self._persist_requested = False
+        self._persist_busy = False  # some rank's writer was busy at the last all-reduce
+        self._held: Snapshot | None = None  # handed to the writers, not yet released
+        # Names this run's writes, so rank 0 never commits a part of an earlier attempt.
+        self._run_token = self.comm.broadcast_object(os.urandom(4).hex())
         self._persist_mark = 0  # newest sealed step considered for persisting
         self._last_persist_time = time.monotonic()
         self._resumed = False
@@ -248,7 +258,7 @@ class Guard:
         if not self._resumed:
             self._resumed = True
             if self.policy.persist.resume:
-                self._resume(sampler)
+                self._resume()
         if not self.ring.snapshots():
             self._snapshot(initial=True)
         it: Iterator[Any] | None = None
@@ -264,17 +274,20 @@ class Guard:
             if self.global_step >= max_steps:
                 return
             if it is None or self._reset_iter:
-                if sampler.batches_in_epoch(self._pos[0]) == 0:
-                    raise OrchestratorError(
-                        f"epoch {self._pos[0]} has no full batch left: "
-                        f"{len(sampler.quarantined)} samples are quarantined in "
-                        f"{self.ledger.url}; review the ledger or lower the batch size"
-                    )
+                if sampler.remaining_batches(*self._pos) == 0:
+                    if self._pos[1] == 0:
+                        raise OrchestratorError(
+                            f"epoch {self._pos[0]} has no full batch: "
+                            f"{len(sampler.quarantined)} samples are quarantined in "
+                            f"{self.ledger.url}; review the ledger or lower the batch size"
+                        )
+                    self._pos = (self._pos[0] + 1, 0)
+                    continue
                 sampler.set_position(*self._pos)
                 if loader.generator is not None:
-                    # Worker seeds become a function of the data position: replays match.
-                    epoch, index = self._pos
-                    loader.generator.manual_seed(hash((sampler.seed, epoch, index)))
+                    # Worker base seeds become a function of the data position. Replays are
+                    # bit for bit with num_workers=0, or with per-sample seeded randomness.
+                    loader.generator.manual_seed(hash((sampler.seed, *self._pos)))
                 it, self._reset_iter = iter(loader), False
             if self.global_step % self.policy.snapshot.every_steps == 0 and not self.ring.has(
                 self.global_step
@@ -285,7 +298,8 @@ class Guard:
             except StopIteration:
                 self._pos, it = (self._pos[0] + 1, 0), None
                 continue
-            self._begin_batch(sampler.batch_ids(*self._pos))
+            ids, self._next_offset = sampler.batch_at(*self._pos)
+            self._begin_batch(ids)
             yield batch
             self._end_batch()
 
@@ -332,17 +346,26 @@ class Guard:
         if self._probe is not None:
             return self._probe_step()
         self.faults.maybe_crash(self.global_step)
+        if self.faults.grad_fault(self.global_step):
+            self.engine.poison_grad()
         grads = self.engine.grads()
-        if grads and self.faults.grad_fault(self.global_step):
-            with torch.no_grad():
-                grads[0].view(-1)[0] = float("nan")
         check_grads = self.policy.detect.check_grads
-        control = (0.0, float(self._persist_timer_due()), float(self._persist_failed()))
+        busy = self.persister is not None and self.persister.busy
+        control = (
+            0.0,
+            float(self._persist_timer_due()),
+            float(self._persist_failed()),
+            float(busy),
+        )
         packed = pack_local(self._loss, grads, check_grads, control)
         vals = self.comm.all_reduce_sum_(packed).tolist()  # the one host sync of the step
         if vals[PERSIST_REQUEST] > 0:
             self._persist_requested = True
             self._last_persist_time = time.monotonic()
+        self._persist_busy = vals[PERSIST_BUSY] > 0
+        if not self._persist_busy and self._held is not None:
+            self._held.held = False  # every rank's writer is done with it: same step on all
+            self._held = None
         if vals[PERSIST_FAILED] > 0 and self.policy.persist.required:
             self._event("persist_required_failed", url=self.store.url)
             raise PersistError(
@@ -410,7 +433,7 @@ class Guard:
         self.ring.fence()
         self.engine.commit(self.adjuster.multiplier())
         self._recent.append((self.global_step, *self._pos))
-        self._pos = (self._pos[0], self._pos[1] + 1)
+        self._pos = (self._pos[0], self._next_offset)
         for snap in self.ring.seal_through(self.global_step, self.policy.snapshot.seal_after_steps):
             self._maybe_persist(snap)
         self.global_step += 1
@@ -477,11 +500,11 @@ class Guard:
         if q.enabled:
             ranks = origin or list(range(self.comm.world_size))
             assert self._sampler is not None
-            culprits = [i for r in ranks for i in self._sampler.batch_ids(*self._pos, rank=r)]
+            culprits = [i for r in ranks for i in self._sampler.batch_at(*self._pos, rank=r)[0]]
             if q.scope == "window":
-                for step, epoch, index in self._recent:
+                for step, epoch, offset in self._recent:
                     if step >= self.global_step - q.window_steps:
-                        culprits += self._sampler.global_batch_ids(epoch, index)
+                        culprits += self._sampler.global_batch_at(epoch, offset)
         self._recover(culprits)
         return INCIDENT
 
@@ -513,9 +536,8 @@ class Guard:
         self.engine.abandon()
         if culprits:
             self._sampler.quarantine(culprits)
-            if self.comm.rank == 0:
-                self.ledger.add(culprits, inc.step, inc.reason)
-            self._event("quarantine", samples=culprits, ledger=self.ledger.url)
+            written = self._ledger_add(culprits, inc.step, inc.reason)
+            self._event("quarantine", samples=culprits, ledger=self.ledger.url, persisted=written)
         inc.quarantined = culprits
 
         target, age_met = self.ring.pick(inc.step, self.policy.snapshot.min_age_steps)
@@ -527,8 +549,9 @@ class Guard:
         scale_factor = adjust.loss_scale_factor if self.engine.has_loss_scaler else 1.0
         self.engine.restore(target, scale_factor)
         g = target.materialize("guard", clone=False)
-        self.global_step, self._pos = g["step"], (g["epoch"], g["index"])
+        self.global_step, self._pos = g["step"], (g["epoch"], g["offset"])
         self.ring.drop_after(target.step)
+        self._invalidate_durable_after(target.step)
         # Steps after the target belong to the abandoned timeline: forget their positions.
         while self._recent and self._recent[-1][0] >= target.step:
             self._recent.pop()
@@ -557,6 +580,19 @@ class Guard:
         if self.comm.rank == 0:
             logger.warning("%s", inc.format())
         self._open = None
+
+    def _ledger_add(self, ids: list[int], step: int, reason: str) -> bool:
+        """Rank 0 appends to the ledger, retrying; a storage failure is journaled, never
+        fatal: the quarantine holds in memory for this run either way."""
+        if self.comm.rank != 0:
+            return True
+        try:
+            storage_retry(self.policy.persist)(self.ledger.add, ids, step, reason)
+            return True
+        except (OSError, TimeoutError) as err:
+            self.journal.write("ledger_failed", step, {"samples": ids, "error": repr(err)})
+            logger.error("quarantine ledger %s not written: %r", self.ledger.url, err)
+            return False
 
     def _escalate_if_over_budget(self) -> None:
         e = self.policy.escalation
@@ -589,14 +625,12 @@ class Guard:
 
     # ------------------------------------------------------------------ durable tier ---
     def _guard_state(self) -> dict[str, Any]:
-        """Counters and data position saved with every snapshot. The data position is also
-        kept in samples, so a resume at another world size can convert it."""
-        global_batch = self._sampler.batch_size * self.comm.world_size if self._sampler else 0
+        """Counters and data position saved with every snapshot. The position counts samples
+        of the unfiltered order, so it holds at any world size and batch size."""
         return {
             "step": self.global_step,
             "epoch": self._pos[0],
-            "index": self._pos[1],
-            "global_batch": global_batch,
+            "offset": self._pos[1],
             "adjust": self.adjuster.state_dict(),
         }
 
@@ -613,19 +647,29 @@ class Guard:
         return self.persister is not None and self.persister.failed
 
     def _maybe_persist(self, snap: Snapshot) -> None:
-        # Only functions of the step and of all-reduced flags decide, so every rank picks
-        # the same snapshot; rank 0 commits it once all parts are there.
+        # Only the step and all-reduced flags decide, so every rank submits the same snapshot
+        # or every rank skips it; rank 0 commits it once all parts are there.
         every = self.policy.persist.every_steps
         crossed = every is not None and snap.step // every > self._persist_mark // every
         self._persist_mark = max(self._persist_mark, snap.step)
         if self.persister is None or not (crossed or self._persist_requested):
             return
+        if self._persist_busy or self._held is not None:
+            self._event("persist_skipped", snapshot_step=snap.step, reason="previous write busy")
+            return
         self._persist_requested = False
         rank_local = self.comm.rank != 0 and self.engine.grads_replicated
         keys = sorted(self.engine.rank_local_keys) if rank_local else list(snap.skeleton)
-        if not self.persister.submit(snap, keys):
-            # Rank 0 will wait for this part until persist.commit_timeout_s, then journal it.
-            self.journal.write("persist_skipped", snap.step, {"reason": "previous write busy"})
+        snap.held = True
+        self._held = snap
+        self.persister.submit(snap, keys, nonce=f"{self._run_token}-{self.rollbacks}")
+
+    def _invalidate_durable_after(self, step: int) -> None:
+        """Durable snapshots newer than ``step`` belong to a timeline that was abandoned
+        (rolled back, or not valid on resume): never resume from them."""
+        self._persist_mark = step
+        if self.persister is not None and self.comm.rank == 0:
+            self.persister.invalidate_after(step)
 
     def _persist_final(self) -> None:
         """Persist the state the loop ended with, so a finished run can be picked up (or
@@ -634,6 +678,10 @@ class Guard:
         if self.global_step <= self._persist_mark or self.global_step == 0:
             return
         self.persister.wait_idle(self.policy.persist.commit_timeout_s)
+        if self._held is not None:
+            self._held.held = False
+            self._held = None
+        self._persist_busy = False
         snap = self._snapshot()
         if snap is None:
             return
@@ -642,54 +690,81 @@ class Guard:
         self._persist_requested = True
         self._maybe_persist(snap)
 
-    def _resume(self, sampler: GuardBatchSampler) -> None:
-        """Restore the newest valid committed snapshot, agreed by every rank."""
+    def _resume(self) -> None:
+        """Restore the newest valid committed snapshot, agreed by every rank.
+
+        Raises:
+            PersistError: committed snapshots exist but none is valid (starting from
+                scratch silently could throw away days of training).
+        """
         listing = None
         if self.comm.rank == 0:
             listing = [(c.step, c.manifest) for c in self.store.candidates() if c.committed]
         listing = self.comm.broadcast_object(listing)
-        rank = self.comm.rank
+        rejected: list[tuple[int, list[str]]] = []
         for step, manifest in listing:
-            tree: dict[str, Any] | None = None
-            error = None
-            try:
-                if manifest is None:
-                    raise PersistError(f"snapshot {step}: manifest.json is unreadable")
-                saved_world = int(manifest["world_size"])
-                own = rank if rank < saved_world else 0  # a new rank takes rank 0's RNG
+            tree, error = self._load_durable(step, manifest)
+            errors = [e for e in self.comm.all_gather_object(error) if e]
+            if errors:
+                rejected.append((step, errors))
+                self._event("snapshot_invalid", snapshot_step=step, reasons=errors)
+                continue
+            assert tree is not None and manifest is not None
+            self._restore_resumed(tree, manifest)
+            return
+        if rejected:
+            raise PersistError(
+                f"{len(rejected)} committed snapshot(s) under {self.store.url}, none valid "
+                f"(steps {[s for s, _ in rejected]}; first reason: {rejected[0][1][0]}). "
+                "To start from scratch anyway set persist.resume: false or use another "
+                "persist.url; to keep them, check the storage and run "
+                f"`orchestrator snapshots {self.store.url}`"
+            )
+
+    def _load_durable(
+        self, step: int, manifest: dict[str, Any] | None
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """This rank's state from one snapshot, or why it cannot be used. Never raises, so
+        that every rank reaches the agreement that follows."""
+        rank = self.comm.rank
+        try:
+            if manifest is None:
+                raise PersistError(f"snapshot {step}: manifest.json is unreadable")
+            saved_world = int(manifest["world_size"])
+            own = rank if rank < saved_world else 0  # a new rank takes rank 0's RNG
+            retry = storage_retry(self.policy.persist)
+
+            def read() -> dict[str, Any]:
                 self.faults.storage("read", step)
                 self.store.validate_files(step, manifest, sorted({0, own}))
                 tree = self.store.load_part(step, 0)
                 if own != 0:
                     tree.update(self.store.load_part(step, own))
-            except (PersistError, OSError, ValueError, KeyError, RuntimeError) as err:
-                error = f"rank {rank}: {err}"
-            errors = [e for e in self.comm.all_gather_object(error) if e]
-            if errors:
-                self._event("snapshot_invalid", snapshot_step=step, reasons=errors)
-                continue
-            assert tree is not None
-            self._restore_resumed(tree, sampler, manifest)
-            return
-        if listing:
-            self._event("resume_failed", reason="no committed snapshot is valid; starting fresh")
+                return tree
 
-    def _restore_resumed(
-        self, tree: dict[str, Any], sampler: GuardBatchSampler, manifest: dict[str, Any]
-    ) -> None:
+            return retry(read), None
+        except Exception as err:  # anything wrong with this snapshot: try an older one
+            return None, f"rank {rank}: {err}"
+        except CheckpointException as err:  # DCP's, a BaseException
+            return None, f"rank {rank}: {err}"
+
+    def _restore_resumed(self, tree: dict[str, Any], manifest: dict[str, Any]) -> None:
         g = tree["guard"]
-        samples = int(g["index"]) * int(g["global_batch"])
-        global_batch = sampler.batch_size * self.comm.world_size
-        index, leftover = divmod(samples, global_batch)
-        tree["guard"] = {**g, "index": index, "global_batch": global_batch}
         snap = self.ring.capture(int(g["step"]), tree)
         assert snap is not None  # the ring is empty at start
         snap.wait()
         snap.sealed = True
-        self.engine.restore(snap, 1.0)
-        self.global_step, self._pos = int(g["step"]), (int(g["epoch"]), index)
+        try:
+            self.engine.restore(snap, 1.0)
+        except (RuntimeError, KeyError, ValueError) as err:
+            raise PersistError(
+                f"snapshot {g['step']} under {self.store.url} does not fit this model or "
+                f"optimizer ({err}). Resume with the model it was written by, or set "
+                "persist.resume: false (or another persist.url) to start from scratch"
+            ) from err
+        self.global_step, self._pos = int(g["step"]), (int(g["epoch"]), int(g["offset"]))
         self.adjuster.load_state_dict(g["adjust"])
-        self._persist_mark = self.global_step
+        self._invalidate_durable_after(self.global_step)
         self._event(
             "resume",
             snapshot_step=self.global_step,
@@ -697,8 +772,7 @@ class Guard:
             saved_world_size=manifest["world_size"],
             world_size=self.comm.world_size,
             epoch=self._pos[0],
-            index=index,
-            samples_replayed=leftover,
+            offset=self._pos[1],
         )
 
     # ------------------------------------------------------------------ setup ----------

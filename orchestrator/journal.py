@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +25,7 @@ class Journal:
         self.rank = rank
         self.attempt = attempt
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._lock = threading.Lock()  # the persist thread writes too
 
     def write(self, kind: str, step: int, details: dict[str, Any]) -> dict[str, Any]:
         event = {
@@ -34,13 +36,17 @@ class Journal:
             "attempt": self.attempt,
             "details": details,
         }
-        os.write(self._fd, (json.dumps(event, default=str) + "\n").encode())
+        line = (json.dumps(event, default=str) + "\n").encode()
+        with self._lock:
+            if self._fd >= 0:  # after close (a writer thread that outlived it): dropped
+                os.write(self._fd, line)
         return event
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        with self._lock:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
 
 
 def read_journal(run_dir: str) -> Iterator[dict[str, Any]]:

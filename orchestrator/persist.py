@@ -33,6 +33,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,19 @@ TRANSIENT = (OSError, TimeoutError)  # what storage throws when it is only havin
 
 class PersistError(OrchestratorError):
     """A durable snapshot could not be written or is not valid."""
+
+
+def storage_retry(
+    policy: PersistPolicy, before_sleep: Callable[[RetryCallState], None] | None = None
+) -> Retrying:
+    """Bounded exponential backoff with jitter for transient storage errors."""
+    return Retrying(
+        stop=stop_after_attempt(policy.retries),
+        wait=wait_random_exponential(multiplier=0.2, max=policy.retry_max_wait_s),
+        retry=retry_if_exception_type(TRANSIENT),
+        before_sleep=before_sleep,
+        reraise=True,
+    )
 
 
 def step_dir(step: int) -> str:
@@ -140,7 +154,9 @@ class DurableStore:
         self.fs.invalidate_cache()
 
     # writing ------------------------------------------------------------------------------
-    def write_part(self, snap: Snapshot, rank: int, world_size: int, keys: list[str]) -> int:
+    def write_part(
+        self, snap: Snapshot, rank: int, world_size: int, keys: list[str], nonce: str = ""
+    ) -> int:
         """Write this rank's part of ``snap`` (the top-level ``keys``); return bytes written."""
         tensors: dict[str, torch.Tensor] = {}
         skeleton = {k: _encode(snap.skeleton[k], k, tensors, snap.buffers) for k in keys}
@@ -159,6 +175,7 @@ class DurableStore:
             }
         doc = {
             "rank": rank,
+            "nonce": nonce,
             "world_size": world_size,
             "step": snap.step,
             "keys": keys,
@@ -170,17 +187,26 @@ class DurableStore:
         return sum(int(f["size"]) for f in files.values())
 
     def commit(
-        self, step: int, world_size: int, extra: dict[str, Any], timeout_s: float
+        self,
+        step: int,
+        world_size: int,
+        nonce: str,
+        extra: dict[str, Any],
+        timeout_s: float,
     ) -> dict[str, Any]:
-        """Rank 0: wait for every rank's part, then write the manifest and the marker."""
+        """Rank 0: wait for every rank's part of this attempt (``nonce``), then write the
+        manifest and, last, the marker."""
         d = step_dir(step)
         deadline = time.monotonic() + timeout_s
         parts: dict[int, dict[str, Any]] = {}
         while len(parts) < world_size:
             self._fresh()
             for r in range(world_size):
-                if r not in parts and self.fs.exists(self._p(d, f"rank_{r}.json")):
-                    parts[r] = self._read_json(self._p(d, f"rank_{r}.json"))
+                path = self._p(d, f"rank_{r}.json")
+                if r not in parts and self.fs.exists(path):
+                    doc = self._read_json_or_none(path)
+                    if doc is not None and doc.get("nonce") == nonce:
+                        parts[r] = doc
             if len(parts) < world_size:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(parts))
@@ -212,6 +238,12 @@ class DurableStore:
     def _write_json(self, path: str, doc: dict[str, Any]) -> None:
         with self.fs.open(path, "w", encoding="utf-8") as f:
             json.dump(doc, f)
+
+    def _read_json_or_none(self, path: str) -> dict[str, Any] | None:
+        try:  # another process may be writing it right now
+            return self._read_json(path)
+        except (OSError, ValueError):
+            return None
 
     def _read_json(self, path: str) -> dict[str, Any]:
         with self.fs.open(path, "r", encoding="utf-8") as f:
@@ -294,6 +326,20 @@ class DurableStore:
         tree: dict[str, Any] = {k: _decode(v, template) for k, v in doc["skeleton"].items()}
         return tree
 
+    def delete_after(self, step: int) -> list[int]:
+        """Delete every snapshot newer than ``step``, marker first (a rolled-back timeline)."""
+        doomed = [c.step for c in self.candidates() if c.step > step]
+        for s in doomed:
+            self._delete(s)
+        return doomed
+
+    def _delete(self, step: int) -> None:
+        # The marker goes first: a half-deleted snapshot must never look committed.
+        marker = self._p(step_dir(step), MARKER)
+        if self.fs.exists(marker):
+            self.fs.rm(marker)
+        self.fs.rm(self._p(step_dir(step)), recursive=True)
+
     def truncate_one(self, step: int) -> str:
         """Fault injection: cut the largest tensor file of rank 0's part in half."""
         part = self._p(step_dir(step), "rank_0")
@@ -337,11 +383,7 @@ class DurableStore:
             if c.step not in keep_set and (c.committed or c.step < committed[0])
         ]
         for s in doomed:
-            # The marker goes first: a half-deleted snapshot must never look committed.
-            marker = self._p(step_dir(s), MARKER)
-            if self.fs.exists(marker):
-                self.fs.rm(marker)
-            self.fs.rm(self._p(step_dir(s)), recursive=True)
+            self._delete(s)
         return doomed
 
 
@@ -366,11 +408,25 @@ def _is_local(fs: Any) -> bool:
 
 
 # --- the background writer ----------------------------------------------------------------
-class Persister:
-    """One daemon thread per rank that writes sealed snapshots, one at a time.
+@dataclass
+class _Write:
+    snap: Snapshot
+    keys: list[str]
+    nonce: str
 
-    ``submit`` never blocks: if the previous snapshot is still being written, the new one is
-    skipped (journaled) rather than stalling training.
+
+@dataclass
+class _Invalidate:
+    after_step: int
+
+
+class Persister:
+    """One daemon thread per rank that writes sealed snapshots, one at a time, in order with
+    invalidations of snapshots from an abandoned timeline.
+
+    The training thread never waits for it. It never decides on its own either: the Guard
+    reads ``busy`` into the step's all-reduce and submits, or skips, on every rank alike.
+    The snapshot handed over stays held in the ring until the Guard sees every rank idle.
     """
 
     def __init__(
@@ -390,56 +446,59 @@ class Persister:
         self.journal = journal
         self.extra = extra
         self.faults = faults
-        self.failed = False  # a persist ran out of retries (read by the training thread)
-        self.last_committed: int | None = None
-        self._q: queue.Queue[Snapshot | None] = queue.Queue(maxsize=1)
-        self._busy: Snapshot | None = None
+        self.failed = False  # a write ran out of retries (read by the training thread)
+        self._q: queue.Queue[_Write | _Invalidate | None] = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
         self._thread = threading.Thread(target=self._run, name="orchestrator-persist", daemon=True)
         self._thread.start()
 
     @property
     def busy(self) -> bool:
-        return self._busy is not None
+        return not self._idle.is_set()
 
-    def submit(self, snap: Snapshot, keys: list[str]) -> bool:
-        if self._busy is not None:
-            return False
-        snap.pinned = True  # the ring must not reuse these buffers while we read them
-        self._busy = snap
-        self._keys = keys
-        self._q.put(snap)
-        return True
+    def submit(self, snap: Snapshot, keys: list[str], nonce: str) -> None:
+        """Write this rank's part (``keys``) of ``snap``; ``nonce`` names this attempt at it,
+        so rank 0 never commits a part left over from another attempt or timeline."""
+        self._idle.clear()
+        self._q.put(_Write(snap, keys, nonce))
+
+    def invalidate_after(self, step: int) -> None:
+        """Rank 0: delete durable snapshots newer than ``step`` (after writes in flight)."""
+        self._idle.clear()
+        self._q.put(_Invalidate(step))
 
     def wait_idle(self, timeout_s: float) -> bool:
-        """Wait (bounded) until no snapshot is being written; True if idle."""
-        deadline = time.monotonic() + timeout_s
-        while self._busy is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return self._busy is None
+        return self._idle.wait(timeout_s)
 
-    def close(self, timeout_s: float | None = None) -> None:
-        """Finish the snapshot in flight (bounded by ``timeout_s``), then stop the thread."""
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Finish what is queued (bounded by ``timeout_s``), then stop. True if it stopped."""
         self._q.put(None)
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         while True:
-            snap = self._q.get()
-            if snap is None:
+            task = self._q.get()
+            if task is None:
                 return
+            step = task.snap.step if isinstance(task, _Write) else task.after_step
             try:
-                self._persist(snap)
+                if isinstance(task, _Write):
+                    self._persist(task)
+                else:
+                    gone = self._retrying("invalidate", step)(self.store.delete_after, step)
+                    if gone:
+                        self.journal.write("persist_invalidate", step, {"deleted_steps": gone})
             except Exception as err:  # keep the thread alive; the failure is journaled
-                self.failed = True
-                logger.error(
-                    "[rank %d] durable snapshot of step %d failed: %s", self.rank, snap.step, err
-                )
+                self.failed = self.failed or isinstance(task, _Write)
+                logger.error("[rank %d] durable snapshot %d: %r", self.rank, step, err)
                 self.journal.write(
-                    "persist_failed", snap.step, {"error": repr(err), "url": self.store.url}
+                    "persist_failed", step, {"error": repr(err), "url": self.store.url}
                 )
             finally:
-                snap.pinned = False
-                self._busy = None
+                if self._q.empty():
+                    self._idle.set()
 
     def _retrying(self, what: str, step: int) -> Retrying:
         def before_sleep(state: RetryCallState) -> None:
@@ -450,30 +509,29 @@ class Persister:
                 {"op": what, "attempt": state.attempt_number, "error": repr(err)},
             )
 
-        return Retrying(
-            stop=stop_after_attempt(self.policy.retries),
-            wait=wait_random_exponential(multiplier=0.2, max=self.policy.retry_max_wait_s),
-            retry=retry_if_exception_type(TRANSIENT),
-            before_sleep=before_sleep,
-            reraise=True,
-        )
+        return storage_retry(self.policy, before_sleep)
 
-    def _persist(self, snap: Snapshot) -> None:
+    def _persist(self, task: _Write) -> None:
+        snap = task.snap
         t0 = time.perf_counter()
         snap.wait()
 
         def write() -> int:
             self.faults.storage("write", snap.step)
-            return self.store.write_part(snap, self.rank, self.world_size, self._keys)
+            return self.store.write_part(snap, self.rank, self.world_size, task.keys, task.nonce)
 
         nbytes = self._retrying("write", snap.step)(write)
         written = time.perf_counter() - t0
         if self.rank != 0:
             return
         manifest = self._retrying("commit", snap.step)(
-            self.store.commit, snap.step, self.world_size, self.extra, self.policy.commit_timeout_s
+            self.store.commit,
+            snap.step,
+            self.world_size,
+            task.nonce,
+            self.extra,
+            self.policy.commit_timeout_s,
         )
-        self.last_committed = snap.step
         if self.faults.truncate_due(snap.step):
             self.store.truncate_one(snap.step)
         self.journal.write(

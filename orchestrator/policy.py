@@ -53,6 +53,12 @@ class SnapshotPolicy(_Section):
     @model_validator(mode="after")
     def _age_reachable(self) -> SnapshotPolicy:
         history = self.every_steps * (self.keep - 1)
+        if self.seal_after_steps > history:
+            raise ValueError(
+                f"seal_after_steps={self.seal_after_steps} exceeds (keep-1)*every_steps="
+                f"{history}: every snapshot would be overwritten before it is sealed; raise "
+                "keep or every_steps, or lower seal_after_steps"
+            )
         if self.min_age_steps > history:
             raise ValueError(
                 f"min_age_steps={self.min_age_steps} can never be met: the sealed snapshots "

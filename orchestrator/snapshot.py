@@ -60,7 +60,7 @@ class Snapshot:
     buffers: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
     ready: Any = None  # CUDA event recorded after the copies, or None on CPU
-    pinned: bool = False  # being written to durable storage: its buffers must not be reused
+    held: bool = False  # being written to durable storage: its buffers must not be reused
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -151,7 +151,7 @@ class SnapshotRing:
         usable = [
             (s.step, i)
             for i, s in enumerate(self.slots)
-            if s is not None and s is not newest_sealed and not s.pinned
+            if s is not None and s is not newest_sealed and not s.held
         ]
         return min(usable)[1] if usable else None
 
@@ -183,7 +183,7 @@ class SnapshotRing:
             if s is not None and (s.step > step or not s.sealed):
                 s.wait()
                 self.slots[i] = None
-                if s.pinned:  # the persist thread still reads them: the slot gets new ones
+                if s.held:  # the persist thread still reads them: the slot gets new ones
                     self._buffers[i] = []
 
     def pick(self, bad_step: int, min_age_steps: int) -> tuple[Snapshot | None, bool]:

@@ -23,7 +23,7 @@ EXACT = {"adjust": {"lr_factor": 1.0}}  # adjustment off: replays must match a c
 def poison_id(step: int, world: int = 2) -> int:
     """A sample the example (1024 samples, 8 per rank, seed 7) first meets at ``step``."""
     sampler = GuardBatchSampler(1024, 8, rank=0, world_size=world, seed=7)
-    return sampler.global_batch_ids(0, step)[world * 8 - 3]  # on the last rank
+    return sampler.global_batch_at(0, step * 8 * world)[world * 8 - 3]  # on the last rank
 
 
 @pytest.fixture(scope="module")

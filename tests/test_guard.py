@@ -71,7 +71,7 @@ def test_spike_is_an_incident_and_quarantines_the_step(tmp_path: Path) -> None:
     )
     probe.dataloader(Regression(), batch_size=8, seed=1)
     assert probe._sampler is not None
-    step_ids = probe._sampler.batch_ids(0, 25)
+    step_ids = probe._sampler.batch_at(0, 25 * 8)[0]
     policy = {
         "detect": {"spike": {"enabled": True, "window": 16, "min_history": 8, "zscore": 8.0}},
         "adjust": {"lr_factor": 0.5},

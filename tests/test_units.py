@@ -25,30 +25,52 @@ pytestmark = pytest.mark.timeout(60)
 def test_sampler_shards_are_disjoint_and_deterministic() -> None:
     s0 = GuardBatchSampler(100, 4, rank=0, world_size=2, seed=3)
     s1 = GuardBatchSampler(100, 4, rank=1, world_size=2, seed=3)
-    assert s0.batches_in_epoch(0) == 12  # 100 // 8, last partial global batch dropped
-    for i in range(12):
-        a, b = s0.batch_ids(0, i), s1.batch_ids(0, i)
-        assert len(a) == len(b) == 4 and not set(a) & set(b)
-        assert a + b == s0.global_batch_ids(0, i)
+    assert s0.remaining_batches(0, 0) == 12  # 100 // 8, last partial global batch dropped
+    offset = 0
+    for _ in range(12):
+        (a, nxt), (b, nxt1) = s0.batch_at(0, offset), s1.batch_at(0, offset)
+        assert len(a) == len(b) == 4 and not set(a) & set(b) and nxt == nxt1 == offset + 8
+        assert a + b == s0.global_batch_at(0, offset)
+        offset = nxt
     assert list(s0) == list(GuardBatchSampler(100, 4, rank=0, world_size=2, seed=3))
-    assert s0.order(0).tolist() != s0.order(1).tolist()  # reshuffled per epoch
+    assert s0.global_batch_at(0, 0) != s0.global_batch_at(1, 0)  # reshuffled per epoch
 
 
-def test_quarantine_only_shifts_samples_after_the_removed_one() -> None:
+def test_quarantine_after_the_position_shifts_only_later_samples() -> None:
     s = GuardBatchSampler(64, 4, rank=0, world_size=1, seed=0)
-    before = [s.batch_ids(0, i) for i in range(16)]
+    before = list(s)
     victim = before[9][2]
     s.quarantine([victim])
-    after = [s.batch_ids(0, i) for i in range(15)]
+    after = list(s)
     assert after[:9] == before[:9]  # what ran before step 9 is unchanged
     assert all(victim not in ids for ids in after)
     assert s.quarantined == {victim}
 
 
+def test_quarantine_before_the_position_does_not_move_it() -> None:
+    s = GuardBatchSampler(64, 4, rank=0, world_size=1, seed=0)
+    full = list(s)
+    _, offset = s.batch_at(0, 0)
+    for _ in range(4):
+        _, offset = s.batch_at(0, offset)  # 5 batches consumed
+    s.quarantine(full[1] + full[2])  # ids already trained on (a window quarantine)
+    s.set_position(0, offset)
+    assert list(s)[:5] == full[5:10]  # nothing skipped, nothing repeated
+
+
+def test_position_is_world_size_independent() -> None:
+    two = GuardBatchSampler(64, 4, rank=0, world_size=2, seed=5)
+    one = GuardBatchSampler(64, 4, rank=0, world_size=1, seed=5)
+    _, off = two.batch_at(0, 0)
+    _, off = two.batch_at(0, off)  # 2 steps at 2 ranks = 16 samples
+    assert off == 16
+    assert one.global_batch_at(0, off) == two.global_batch_at(0, off)[:4]
+
+
 def test_sampler_resumes_from_position() -> None:
     s = GuardBatchSampler(40, 2, rank=0, world_size=1, seed=1)
     full = list(s)
-    s.set_position(0, 7)
+    s.set_position(0, 14)
     assert list(s) == full[7:]
 
 

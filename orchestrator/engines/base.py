@@ -29,6 +29,10 @@ class Engine(ABC):
         """Run the backward pass of ``loss`` (scaled, where the engine scales)."""
 
     @abstractmethod
+    def poison_grad(self) -> None:
+        """Fault injection: write a NaN into one local gradient (before any unscaling)."""
+
+    @abstractmethod
     def grads(self) -> list[torch.Tensor]:
         """This rank's gradients, ready for the finite check (unscaled)."""
 

@@ -47,6 +47,13 @@ class TorchEngine(Engine):
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
+    def poison_grad(self) -> None:
+        for p in self._params():
+            if p.grad is not None:
+                with torch.no_grad():
+                    p.grad.view(-1)[0] = float("nan")
+                return
+
     def grads(self) -> list[torch.Tensor]:
         if self.scaler is not None and not self._unscaled:
             self.scaler.unscale_(self.optimizer)

@@ -1,0 +1,69 @@
+"""Shared pieces of the benchmarks: the example model and running a worker under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from train_gpt import SyntheticTokens, TinyGPT
+
+VOCAB, SEQ = 256, 64
+RESULT = "RESULT "
+
+__all__ = ["SEQ", "VOCAB", "SyntheticTokens", "build", "init_dist", "loss_of", "report", "spawn"]
+
+
+def build(d: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The example GPT (DDP-wrapped when distributed) and its AdamW, same on every rank."""
+    torch.manual_seed(0)
+    model: torch.nn.Module = TinyGPT(VOCAB, SEQ, d, layers, heads=4)
+    if dist.is_initialized():
+        model = DDP(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+
+def init_dist() -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+def report(result: dict[str, Any]) -> None:
+    """Rank 0 prints its result line for ``spawn`` to pick up."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(RESULT + json.dumps(result), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def spawn(script: str, nproc: int, args: list[str]) -> dict[str, Any]:
+    """Run ``script --worker args`` under torchrun with ``nproc`` ranks; return rank 0's result."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
+           script, "--worker", *args]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(
+            f"{script} failed under torchrun:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+        )
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith(RESULT))
+    result: dict[str, Any] = json.loads(line[len(RESULT) :])
+    return result
