@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterable
 
 from orchestrator.journal import Journal, read_journal
@@ -23,6 +24,7 @@ from orchestrator.policy import (
     InfLossFault,
     NanGradFault,
     PoisonSampleFault,
+    SlowStorageFault,
     StorageErrorFault,
     TruncateSnapshotFault,
 )
@@ -33,6 +35,8 @@ def fault_key(f: Fault) -> str:
         return f"poison_sample:{f.sample}"
     if isinstance(f, StorageErrorFault):
         return f"storage_error:{f.op}x{f.times}"
+    if isinstance(f, SlowStorageFault):
+        return f"slow_storage:{f.op}+{f.seconds}s"
     if isinstance(f, TruncateSnapshotFault):
         return f"truncate_snapshot@{f.step}"
     return f"{f.kind}@{f.step}:r{f.rank}"
@@ -69,6 +73,9 @@ class FaultInjector:
             if isinstance(f, StorageErrorFault) and f.rank in (None, rank)
         }
         self._storage_faults = faults
+        self._slow = [
+            f for f in faults if isinstance(f, SlowStorageFault) and f.rank in (None, rank)
+        ]
         self.poisoned = frozenset(f.sample for f in faults if isinstance(f, PoisonSampleFault))
 
     def _take(self, cls: type, step: int, at_or_after: bool = False) -> bool:
@@ -105,7 +112,11 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def storage(self, op: str, step: int) -> None:
-        """Raise an injected storage error for ``op`` while the fault has some left."""
+        """Delay ``op`` (slow_storage), or raise an injected storage error for it while the
+        fault has some left (storage_error). Called from the writer thread."""
+        for slow in self._slow:
+            if slow.op == op:
+                time.sleep(slow.seconds)
         with self._lock:
             for i, left in self._storage.items():
                 f = self._storage_faults[i]

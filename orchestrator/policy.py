@@ -221,6 +221,13 @@ class StorageErrorFault(_Section):
     rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
 
 
+class SlowStorageFault(_Section):
+    kind: Literal["slow_storage"]
+    op: Literal["write", "read"] = Field("write", description="Which operations are slow.")
+    seconds: float = Field(gt=0, description="Added latency per operation.")
+    rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
+
+
 class TruncateSnapshotFault(_Section):
     kind: Literal["truncate_snapshot"]
     step: int = Field(
@@ -234,6 +241,7 @@ Fault = Annotated[
     | PoisonSampleFault
     | CrashFault
     | StorageErrorFault
+    | SlowStorageFault
     | TruncateSnapshotFault,
     Field(discriminator="kind"),
 ]

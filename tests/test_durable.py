@@ -177,3 +177,58 @@ def test_s3_store_with_a_real_server(tmp_path: Path, s3_url: str) -> None:
     r = train(d, 1, "--steps", "25", policy=policy, save=False)
     assert r.returncode == 0, r.stdout[-3000:]
     assert kinds(d, "resume")[0]["details"]["snapshot_step"] == 20
+
+
+def test_slow_writer_on_one_rank_keeps_ranks_in_agreement(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    """Rank 0's writer lags (slow storage) while snapshots, persists and a rollback happen:
+    the ranks must still skip, hold and roll back alike (else DDP diverges or hangs)."""
+    policy = {
+        **PERSIST,
+        "persist": {"every_steps": 10, "keep": 3},
+        "snapshot": {"every_steps": 5, "keep": 2},
+        "faults": [
+            {"kind": "slow_storage", "op": "write", "seconds": 0.4, "rank": 0},
+            {"kind": "nan_grad", "step": 37, "rank": 1},
+        ],
+    }
+    d = tmp_path / "run"
+    r = train(d, 2, *STEPS, policy=policy)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert kinds(d, "persist_skipped") or kinds(d, "snapshot_skipped")  # the lag was felt
+    assert len(kinds(d, "rollback")) == 1
+    for a, b in zip(final_states(uninterrupted), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+
+
+def test_rollback_invalidates_newer_durable_snapshots(tmp_path: Path) -> None:
+    """A snapshot persisted after the rollback target must never be resumed from."""
+    exact = {"adjust": {"lr_factor": 1.0}, "quarantine": {"enabled": False}}
+    policy = {
+        **exact,
+        "snapshot": {"every_steps": 2, "keep": 4, "min_age_steps": 4},
+        "persist": {"every_steps": 2, "keep": 10},
+        "faults": [{"kind": "nan_grad", "step": 13}],
+    }
+    _, clean, _ = train_inproc(tmp_path / "clean", policy, steps=20)
+    d = tmp_path / "run"
+    train_inproc(d, policy, steps=16)
+    (rb,) = events(d, "rollback")
+    assert rb["details"]["to_step"] <= 9
+    gone = [s for e in events(d, "persist_invalidate") for s in e["details"]["deleted_steps"]]
+    assert gone and min(gone) > rb["details"]["to_step"]
+    # Started again: resumes from the replayed timeline's snapshot and matches the clean run.
+    _, state, _ = train_inproc(d, policy, steps=20)
+    assert events(d, "resume")[0]["details"]["snapshot_step"] == 16
+    assert_bitwise_equal(clean, state)
+
+
+def test_no_valid_snapshot_stops_instead_of_starting_over(tmp_path: Path) -> None:
+    from orchestrator.persist import PersistError
+
+    train_inproc(tmp_path, {"persist": {"every_steps": 10}}, steps=20)
+    for f in (tmp_path / "snapshots").glob("step_*/rank_0/*.distcp"):
+        f.write_bytes(f.read_bytes()[:10])
+    with pytest.raises(PersistError, match=r"none valid.*persist\.resume: false"):
+        train_inproc(tmp_path, {"persist": {"every_steps": 10}}, steps=30)

@@ -72,6 +72,9 @@ def test_validate_ok(tmp_path: Path) -> None:
         ("faults:\n  - {kind: meteor, step: 3}\n", "faults[0]"),
         ("snapshot:\n  keep: 2\n  every_steps: 5\n  min_age_steps: 50\n", "snapshot"),
         ("quarantine:\n  scope: window\n", "quarantine"),
+        ("snapshot:\n  every_steps: 1\n  seal_after_steps: 2\n", "snapshot"),
+        ("persist:\n  every_steps: null\n", "persist"),
+        ("faults:\n  - {kind: slow_storage, seconds: 0}\n", "faults[0].seconds"),
     ],
 )
 def test_validate_rejects_with_yaml_path(tmp_path: Path, text: str, path: str) -> None:
