@@ -14,9 +14,11 @@ snapshot old enough, cut the LR, and let ``guard.batches`` rewind the data.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
+import socket
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -48,7 +50,14 @@ from orchestrator.errors import GaveUp, OrchestratorError, PolicyError, UsageErr
 from orchestrator.faults import FaultInjector
 from orchestrator.incident import Incident
 from orchestrator.journal import Journal
-from orchestrator.persist import DurableStore, Persister, PersistError, default_url, storage_retry
+from orchestrator.persist import (
+    DurableStore,
+    LocalTier,
+    Persister,
+    PersistError,
+    default_url,
+    storage_retry,
+)
 from orchestrator.policy import Policy, load_policy
 from orchestrator.quarantine import LEDGER_NAME, Ledger
 from orchestrator.snapshot import Snapshot, SnapshotRing
@@ -172,6 +181,7 @@ class Guard:
 
         persist = self.policy.persist
         self.store = DurableStore(persist.url or default_url(self.run_dir))
+        self.local = self._local_tier() if persist.enabled and persist.local_dir else None
         self.persister: Persister | None = None
         if persist.enabled:
             self.persister = Persister(
@@ -182,6 +192,7 @@ class Guard:
                 self.journal,
                 extra={"policy_digest": self.policy.digest(), "engine": type(self.engine).__name__},
                 faults=self.faults,
+                local=self.local,
             )
         self._persist_requested = False
         self._persist_busy = False  # some rank's writer was busy at the last all-reduce
@@ -658,17 +669,36 @@ class Guard:
             self._event("persist_skipped", snapshot_step=snap.step, reason="previous write busy")
             return
         self._persist_requested = False
-        rank_local = self.comm.rank != 0 and self.engine.grads_replicated
-        keys = sorted(self.engine.rank_local_keys) if rank_local else list(snap.skeleton)
         snap.held = True
         self._held = snap
-        self.persister.submit(snap, keys, nonce=f"{self._run_token}-{self.rollbacks}")
+        self.persister.submit(
+            snap,
+            self._part_keys(snap, writer=0),
+            self._part_keys(snap, writer=self.local.leader if self.local else 0),
+            nonce=f"{self._run_token}-{self.rollbacks}",
+        )
+
+    def _part_keys(self, snap: Snapshot, writer: int) -> list[str]:
+        """What this rank writes when rank ``writer`` holds the shared (replicated) state."""
+        if self.comm.rank == writer or not self.engine.grads_replicated:
+            return list(snap.skeleton)
+        return sorted(self.engine.rank_local_keys)
+
+    def _local_tier(self) -> LocalTier:
+        """Group the ranks by host: each node keeps its own copy under persist.local_dir."""
+        hosts = self.comm.all_gather_object(socket.gethostname())
+        node_ranks = [r for r, h in enumerate(hosts) if h == hosts[self.comm.rank]]
+        # One directory per run, so runs sharing a node (and its /dev/shm) never mix.
+        run_key = hashlib.sha1(self.run_dir.encode()).hexdigest()[:12]
+        assert self.policy.persist.local_dir is not None
+        url = f"{self.policy.persist.local_dir.rstrip('/')}/{run_key}"
+        return LocalTier(DurableStore(url), leader=min(node_ranks), node_ranks=node_ranks)
 
     def _invalidate_durable_after(self, step: int) -> None:
         """Durable snapshots newer than ``step`` belong to a timeline that was abandoned
         (rolled back, or not valid on resume): never resume from them."""
         self._persist_mark = step
-        if self.persister is not None and self.comm.rank == 0:
+        if self.persister is not None:
             self.persister.invalidate_after(step)
 
     def _persist_final(self) -> None:
@@ -701,16 +731,18 @@ class Guard:
         if self.comm.rank == 0:
             listing = [(c.step, c.manifest) for c in self.store.candidates() if c.committed]
         listing = self.comm.broadcast_object(listing)
+        if self._resume_local(newest_remote=listing[0][0] if listing else -1):
+            return
         rejected: list[tuple[int, list[str]]] = []
         for step, manifest in listing:
-            tree, error = self._load_durable(step, manifest)
+            tree, error = self._load_durable(self.store, step, manifest, shared_rank=0)
             errors = [e for e in self.comm.all_gather_object(error) if e]
             if errors:
                 rejected.append((step, errors))
                 self._event("snapshot_invalid", snapshot_step=step, reasons=errors)
                 continue
             assert tree is not None and manifest is not None
-            self._restore_resumed(tree, manifest)
+            self._restore_resumed(tree, manifest, self.store.url)
             return
         if rejected:
             raise PersistError(
@@ -721,25 +753,46 @@ class Guard:
                 f"`orchestrator snapshots {self.store.url}`"
             )
 
+    def _resume_local(self, newest_remote: int) -> bool:
+        """Use the node-local tier if every rank has the same valid step there and it is
+        not older than the newest remote snapshot."""
+        if self.local is None:
+            return False
+        found: tuple[int, dict[str, Any]] | None = None
+        for c in self.local.store.candidates():
+            if c.committed and c.manifest is not None:
+                found = (c.step, c.manifest)
+                break
+        tree = None
+        if found is not None and found[0] >= newest_remote:
+            tree, _ = self._load_durable(self.local.store, *found, shared_rank=self.local.leader)
+        steps = self.comm.all_gather_object(found[0] if tree is not None and found else None)
+        if steps[0] is None or any(s != steps[0] for s in steps):
+            return False
+        assert tree is not None and found is not None
+        self._restore_resumed(tree, found[1], self.local.store.url)
+        return True
+
     def _load_durable(
-        self, step: int, manifest: dict[str, Any] | None
+        self, store: DurableStore, step: int, manifest: dict[str, Any] | None, shared_rank: int
     ) -> tuple[dict[str, Any] | None, str | None]:
-        """This rank's state from one snapshot, or why it cannot be used. Never raises, so
-        that every rank reaches the agreement that follows."""
+        """This rank's state from one snapshot (the shared state from ``shared_rank``'s
+        part), or why it cannot be used. Never raises, so every rank reaches the agreement
+        that follows."""
         rank = self.comm.rank
         try:
             if manifest is None:
                 raise PersistError(f"snapshot {step}: manifest.json is unreadable")
-            saved_world = int(manifest["world_size"])
-            own = rank if rank < saved_world else 0  # a new rank takes rank 0's RNG
+            saved = manifest.get("ranks") or list(range(int(manifest["world_size"])))
+            own = rank if rank in saved else shared_rank  # a new rank takes the shared RNG
             retry = storage_retry(self.policy.persist)
 
             def read() -> dict[str, Any]:
                 self.faults.storage("read", step)
-                self.store.validate_files(step, manifest, sorted({0, own}))
-                tree = self.store.load_part(step, 0)
-                if own != 0:
-                    tree.update(self.store.load_part(step, own))
+                store.validate_files(step, manifest, sorted({shared_rank, own}))
+                tree = store.load_part(step, shared_rank)
+                if own != shared_rank:
+                    tree.update(store.load_part(step, own))
                 return tree
 
             return retry(read), None
@@ -748,7 +801,7 @@ class Guard:
         except CheckpointException as err:  # DCP's, a BaseException
             return None, f"rank {rank}: {err}"
 
-    def _restore_resumed(self, tree: dict[str, Any], manifest: dict[str, Any]) -> None:
+    def _restore_resumed(self, tree: dict[str, Any], manifest: dict[str, Any], url: str) -> None:
         g = tree["guard"]
         snap = self.ring.capture(int(g["step"]), tree)
         assert snap is not None  # the ring is empty at start
@@ -758,7 +811,7 @@ class Guard:
             self.engine.restore(snap, 1.0)
         except (RuntimeError, KeyError, ValueError) as err:
             raise PersistError(
-                f"snapshot {g['step']} under {self.store.url} does not fit this model or "
+                f"snapshot {g['step']} under {url} does not fit this model or "
                 f"optimizer ({err}). Resume with the model it was written by, or set "
                 "persist.resume: false (or another persist.url) to start from scratch"
             ) from err
@@ -768,7 +821,8 @@ class Guard:
         self._event(
             "resume",
             snapshot_step=self.global_step,
-            url=self.store.url,
+            url=url,
+            tier="local" if self.local is not None and url == self.local.store.url else "remote",
             saved_world_size=manifest["world_size"],
             world_size=self.comm.world_size,
             epoch=self._pos[0],

@@ -193,23 +193,25 @@ class DurableStore:
         nonce: str,
         extra: dict[str, Any],
         timeout_s: float,
+        ranks: list[int] | None = None,
     ) -> dict[str, Any]:
-        """Rank 0: wait for every rank's part of this attempt (``nonce``), then write the
-        manifest and, last, the marker."""
+        """Wait for the part of every rank in ``ranks`` (default: all) of this attempt
+        (``nonce``), then write the manifest and, last, the marker."""
+        expected = list(range(world_size)) if ranks is None else ranks
         d = step_dir(step)
         deadline = time.monotonic() + timeout_s
         parts: dict[int, dict[str, Any]] = {}
-        while len(parts) < world_size:
+        while len(parts) < len(expected):
             self._fresh()
-            for r in range(world_size):
+            for r in expected:
                 path = self._p(d, f"rank_{r}.json")
                 if r not in parts and self.fs.exists(path):
                     doc = self._read_json_or_none(path)
                     if doc is not None and doc.get("nonce") == nonce:
                         parts[r] = doc
-            if len(parts) < world_size:
+            if len(parts) < len(expected):
                 if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(parts))
+                    missing = sorted(set(expected) - set(parts))
                     raise PersistError(
                         f"snapshot {step}: ranks {missing} did not write their part within "
                         f"persist.commit_timeout_s={timeout_s}; it stays uncommitted"
@@ -225,6 +227,7 @@ class DurableStore:
         manifest = {
             "step": step,
             "world_size": world_size,
+            "ranks": sorted(parts),
             "time": time.time(),
             "bytes": sum(f["size"] or 0 for f in files.values()),
             "files": files,
@@ -326,12 +329,19 @@ class DurableStore:
         tree: dict[str, Any] = {k: _decode(v, template) for k, v in doc["skeleton"].items()}
         return tree
 
-    def delete_after(self, step: int) -> list[int]:
-        """Delete every snapshot newer than ``step``, marker first (a rolled-back timeline)."""
-        doomed = [c.step for c in self.candidates() if c.step > step]
-        for s in doomed:
-            self._delete(s)
-        return doomed
+    def uncommit_after(self, step: int) -> list[int]:
+        """Withdraw every committed snapshot newer than ``step`` (a rolled-back timeline).
+
+        Only the marker and manifest go: other ranks may already have written their parts
+        of the *new* timeline's snapshot of such a step into the same directory (their
+        nonce tells them apart); leftovers are pruned once a newer step is committed."""
+        gone = [c.step for c in self.candidates() if c.step > step and c.committed]
+        for s in gone:
+            self.fs.rm(self._p(step_dir(s), MARKER))
+            manifest = self._p(step_dir(s), MANIFEST)
+            if self.fs.exists(manifest):
+                self.fs.rm(manifest)
+        return gone
 
     def _delete(self, step: int) -> None:
         # The marker goes first: a half-deleted snapshot must never look committed.
@@ -357,7 +367,7 @@ class DurableStore:
             return "not committed (being written, or its writer died mid-write)"
         if cand.manifest is None:
             return "manifest.json missing or unreadable"
-        ranks = list(range(int(cand.manifest["world_size"])))
+        ranks = cand.manifest.get("ranks") or list(range(int(cand.manifest["world_size"])))
         try:
             self.validate_files(cand.step, cand.manifest, ranks)
             for r in ranks:
@@ -409,9 +419,20 @@ def _is_local(fs: Any) -> bool:
 
 # --- the background writer ----------------------------------------------------------------
 @dataclass
+class LocalTier:
+    """The node-local copy (e.g. /dev/shm): the node's lowest rank writes the shared state,
+    every rank its own part, and the leader commits once its node's parts are there."""
+
+    store: DurableStore
+    leader: int
+    node_ranks: list[int]
+
+
+@dataclass
 class _Write:
     snap: Snapshot
     keys: list[str]
+    local_keys: list[str]
     nonce: str
 
 
@@ -438,8 +459,10 @@ class Persister:
         journal: Journal,
         extra: dict[str, Any],
         faults: FaultInjector,
+        local: LocalTier | None = None,
     ) -> None:
         self.policy = policy
+        self.local = local
         self.store = store
         self.rank = rank
         self.world_size = world_size
@@ -457,16 +480,30 @@ class Persister:
     def busy(self) -> bool:
         return not self._idle.is_set()
 
-    def submit(self, snap: Snapshot, keys: list[str], nonce: str) -> None:
-        """Write this rank's part (``keys``) of ``snap``; ``nonce`` names this attempt at it,
-        so rank 0 never commits a part left over from another attempt or timeline."""
+    def submit(self, snap: Snapshot, keys: list[str], local_keys: list[str], nonce: str) -> None:
+        """Write this rank's part (``keys``; ``local_keys`` on the node-local tier) of
+        ``snap``. ``nonce`` names this attempt at it, so no part left over from another
+        attempt or timeline is ever committed with it."""
         self._idle.clear()
-        self._q.put(_Write(snap, keys, nonce))
+        self._q.put(_Write(snap, keys, local_keys, nonce))
 
     def invalidate_after(self, step: int) -> None:
-        """Rank 0: delete durable snapshots newer than ``step`` (after writes in flight)."""
-        self._idle.clear()
-        self._q.put(_Invalidate(step))
+        """Delete durable snapshots newer than ``step``, after the writes in flight: rank 0
+        on the remote store, each node's leader on its local tier."""
+        if self.rank == 0 or (self.local is not None and self.rank == self.local.leader):
+            self._idle.clear()
+            self._q.put(_Invalidate(step))
+
+    def _invalidate(self, step: int) -> None:
+        stores = [self.store] if self.rank == 0 else []
+        if self.local is not None and self.rank == self.local.leader:
+            stores.append(self.local.store)
+        for store in stores:
+            gone = self._retrying("invalidate", step)(store.uncommit_after, step)
+            if gone:
+                self.journal.write(
+                    "persist_invalidate", step, {"uncommitted_steps": gone, "url": store.url}
+                )
 
     def wait_idle(self, timeout_s: float) -> bool:
         return self._idle.wait(timeout_s)
@@ -487,9 +524,7 @@ class Persister:
                 if isinstance(task, _Write):
                     self._persist(task)
                 else:
-                    gone = self._retrying("invalidate", step)(self.store.delete_after, step)
-                    if gone:
-                        self.journal.write("persist_invalidate", step, {"deleted_steps": gone})
+                    self._invalidate(step)
             except Exception as err:  # keep the thread alive; the failure is journaled
                 self.failed = self.failed or isinstance(task, _Write)
                 logger.error("[rank %d] durable snapshot %d: %r", self.rank, step, err)
@@ -511,10 +546,38 @@ class Persister:
 
         return storage_retry(self.policy, before_sleep)
 
+    def _persist_local(self, task: _Write) -> None:
+        """Best effort: a failure here is journaled and the remote write goes on."""
+        assert self.local is not None
+        snap, local, t0 = task.snap, self.local, time.perf_counter()
+        try:
+            local.store.write_part(snap, self.rank, self.world_size, task.local_keys, task.nonce)
+            if self.rank == local.leader:
+                local.store.commit(
+                    snap.step,
+                    self.world_size,
+                    task.nonce,
+                    self.extra,
+                    self.policy.commit_timeout_s,
+                    ranks=local.node_ranks,
+                )
+                local.store.prune(1, None)
+                self.journal.write(
+                    "persist_local",
+                    snap.step,
+                    {"url": local.store.url, "seconds": round(time.perf_counter() - t0, 4)},
+                )
+        except Exception as err:
+            self.journal.write(
+                "persist_local_failed", snap.step, {"error": repr(err), "url": local.store.url}
+            )
+
     def _persist(self, task: _Write) -> None:
         snap = task.snap
         t0 = time.perf_counter()
         snap.wait()
+        if self.local is not None:
+            self._persist_local(task)
 
         def write() -> int:
             self.faults.storage("write", snap.step)

@@ -184,6 +184,11 @@ class PersistPolicy(_Section):
     resume: bool = Field(
         True, description="On start, restore the newest valid committed snapshot, if any."
     )
+    local_dir: str | None = Field(
+        None,
+        description="Node-local tier (e.g. /dev/shm/orchestrator): also keep the "
+        "latest snapshot there, so a restart on the same nodes skips remote storage.",
+    )
 
     @model_validator(mode="after")
     def _has_trigger(self) -> PersistPolicy:

@@ -189,7 +189,7 @@ def test_slow_writer_on_one_rank_keeps_ranks_in_agreement(
         "persist": {"every_steps": 10, "keep": 3},
         "snapshot": {"every_steps": 5, "keep": 2},
         "faults": [
-            {"kind": "slow_storage", "op": "write", "seconds": 0.4, "rank": 0},
+            {"kind": "slow_storage", "op": "write", "seconds": 2.0, "rank": 0},
             {"kind": "nan_grad", "step": 37, "rank": 1},
         ],
     }
@@ -216,7 +216,7 @@ def test_rollback_invalidates_newer_durable_snapshots(tmp_path: Path) -> None:
     train_inproc(d, policy, steps=16)
     (rb,) = events(d, "rollback")
     assert rb["details"]["to_step"] <= 9
-    gone = [s for e in events(d, "persist_invalidate") for s in e["details"]["deleted_steps"]]
+    gone = [s for e in events(d, "persist_invalidate") for s in e["details"]["uncommitted_steps"]]
     assert gone and min(gone) > rb["details"]["to_step"]
     # Started again: resumes from the replayed timeline's snapshot and matches the clean run.
     _, state, _ = train_inproc(d, policy, steps=20)
@@ -232,3 +232,27 @@ def test_no_valid_snapshot_stops_instead_of_starting_over(tmp_path: Path) -> Non
         f.write_bytes(f.read_bytes()[:10])
     with pytest.raises(PersistError, match=r"none valid.*persist\.resume: false"):
         train_inproc(tmp_path, {"persist": {"every_steps": 10}}, steps=30)
+
+
+def test_node_local_tier_is_preferred_on_restart(tmp_path: Path, uninterrupted: Path) -> None:
+    local = tmp_path / "shm"
+    policy = {
+        **PERSIST,
+        "persist": {"every_steps": 10, "keep": 3, "local_dir": str(local)},
+        "faults": [{"kind": "crash", "step": 45, "rank": 1}],
+    }
+    d = tmp_path / "run"
+    assert train(d, 2, *STEPS, policy=policy).returncode != 0
+    assert kinds(d, "persist_local")
+    r = train(d, 2, *STEPS, policy=policy)
+    assert r.returncode == 0, r.stdout[-3000:]
+    (resume,) = kinds(d, "resume")
+    assert resume["details"]["tier"] == "local" and resume["details"]["snapshot_step"] in (30, 40)
+    for a, b in zip(final_states(uninterrupted), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+    # A restart on a fresh node (empty local dir) uses the remote store.
+    for p in local.rglob("COMMITTED"):
+        p.unlink()
+    r = train(d, 2, "--steps", "70", policy=policy, save=False)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert kinds(d, "resume")[-1]["details"]["tier"] == "remote"
