@@ -14,11 +14,9 @@ snapshot old enough, cut the LR, and let ``guard.batches`` rewind the data.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
-import socket
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -27,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import yaml
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils.data import DataLoader, Dataset
 
 from orchestrator.adjust import LRAdjuster
@@ -38,26 +35,17 @@ from orchestrator.detect import (
     GRAD_NORM_SQ,
     LOSS,
     LOSS_NONFINITE,
-    PERSIST_BUSY,
-    PERSIST_FAILED,
-    PERSIST_REQUEST,
     SpikeDetector,
     grad_norm,
     pack_local,
 )
+from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine, TorchEngine
 from orchestrator.errors import GaveUp, OrchestratorError, PolicyError, UsageError
 from orchestrator.faults import FaultInjector
 from orchestrator.incident import Incident
 from orchestrator.journal import Journal
-from orchestrator.persist import (
-    DurableStore,
-    LocalTier,
-    Persister,
-    PersistError,
-    default_url,
-    storage_retry,
-)
+from orchestrator.persist import PersistError, storage_retry
 from orchestrator.policy import Policy, load_policy
 from orchestrator.quarantine import LEDGER_NAME, Ledger
 from orchestrator.snapshot import Snapshot, SnapshotRing
@@ -179,28 +167,15 @@ class Guard:
         self._reset_iter = True
         self._closed = False
 
-        persist = self.policy.persist
-        self.store = DurableStore(persist.url or default_url(self.run_dir))
-        self.local = self._local_tier() if persist.enabled and persist.local_dir else None
-        self.persister: Persister | None = None
-        if persist.enabled:
-            self.persister = Persister(
-                persist,
-                self.store,
-                self.comm.rank,
-                self.comm.world_size,
-                self.journal,
-                extra={"policy_digest": self.policy.digest(), "engine": type(self.engine).__name__},
-                faults=self.faults,
-                local=self.local,
-            )
-        self._persist_requested = False
-        self._persist_busy = False  # some rank's writer was busy at the last all-reduce
-        self._held: Snapshot | None = None  # handed to the writers, not yet released
-        # Names this run's writes, so rank 0 never commits a part of an earlier attempt.
-        self._run_token = self.comm.broadcast_object(os.urandom(4).hex())
-        self._persist_mark = 0  # newest sealed step considered for persisting
-        self._last_persist_time = time.monotonic()
+        self.durable = DurableTier(
+            self.policy,
+            self.comm,
+            self.engine,
+            self.run_dir,
+            self.journal,
+            self.faults,
+            self._event,
+        )
         self._resumed = False
 
         self._check_memory()
@@ -269,7 +244,9 @@ class Guard:
         if not self._resumed:
             self._resumed = True
             if self.policy.persist.resume:
-                self._resume()
+                found = self.durable.find_resume()
+                if found is not None:
+                    self._restore_resumed(*found)
         if not self.ring.snapshots():
             self._snapshot(initial=True)
         it: Iterator[Any] | None = None
@@ -361,30 +338,10 @@ class Guard:
             self.engine.poison_grad()
         grads = self.engine.grads()
         check_grads = self.policy.detect.check_grads
-        busy = self.persister is not None and self.persister.busy
-        control = (
-            0.0,
-            float(self._persist_timer_due()),
-            float(self._persist_failed()),
-            float(busy),
-        )
+        control = (0.0, *self.durable.control())
         packed = pack_local(self._loss, grads, check_grads, control)
         vals = self.comm.all_reduce_sum_(packed).tolist()  # the one host sync of the step
-        if vals[PERSIST_REQUEST] > 0:
-            self._persist_requested = True
-            self._last_persist_time = time.monotonic()
-        self._persist_busy = vals[PERSIST_BUSY] > 0
-        if not self._persist_busy and self._held is not None:
-            self._held.held = False  # every rank's writer is done with it: same step on all
-            self._held = None
-        if vals[PERSIST_FAILED] > 0 and self.policy.persist.required:
-            self._event("persist_required_failed", url=self.store.url)
-            raise PersistError(
-                f"[step {self.global_step}] a durable snapshot could not be written to "
-                f"{self.store.url} and persist.required is true: fix the storage (see "
-                "persist_failed in the journal) and restart; training resumes from the "
-                "newest committed snapshot"
-            )
+        self.durable.observe(vals, self.global_step)
         world = self.comm.world_size
         gloss = vals[LOSS] / world
         gnorm = math.sqrt(vals[GRAD_NORM_SQ] / (world if self.engine.grads_replicated else 1))
@@ -408,10 +365,9 @@ class Guard:
         if self._closed:
             return
         self._closed = True
-        if self.persister is not None:
-            if self._probe is None and self._open is None and self._resumed:
-                self._persist_final()
-            self.persister.close(self.policy.persist.commit_timeout_s)
+        if self._probe is None and self._open is None and self._resumed:
+            self._persist_final()
+        self.durable.close()
         self._event(
             "run_end",
             steps=self.global_step,
@@ -446,7 +402,7 @@ class Guard:
         self._recent.append((self.global_step, *self._pos))
         self._pos = (self._pos[0], self._next_offset)
         for snap in self.ring.seal_through(self.global_step, self.policy.snapshot.seal_after_steps):
-            self._maybe_persist(snap)
+            self.durable.on_sealed(snap, self.rollbacks)
         self.global_step += 1
         phase = self.adjuster.on_commit()
         if phase is not None:
@@ -562,7 +518,7 @@ class Guard:
         g = target.materialize("guard", clone=False)
         self.global_step, self._pos = g["step"], (g["epoch"], g["offset"])
         self.ring.drop_after(target.step)
-        self._invalidate_durable_after(target.step)
+        self.durable.invalidate_after(target.step)
         # Steps after the target belong to the abandoned timeline: forget their positions.
         while self._recent and self._recent[-1][0] >= target.step:
             self._recent.pop()
@@ -645,163 +601,15 @@ class Guard:
             "adjust": self.adjuster.state_dict(),
         }
 
-    def _persist_timer_due(self) -> bool:
-        every_s = self.policy.persist.every_s
-        return (
-            self.persister is not None
-            and every_s is not None
-            and self.comm.rank == 0  # one clock decides; the all-reduce tells the others
-            and time.monotonic() - self._last_persist_time >= every_s
-        )
-
-    def _persist_failed(self) -> bool:
-        return self.persister is not None and self.persister.failed
-
-    def _maybe_persist(self, snap: Snapshot) -> None:
-        # Only the step and all-reduced flags decide, so every rank submits the same snapshot
-        # or every rank skips it; rank 0 commits it once all parts are there.
-        every = self.policy.persist.every_steps
-        crossed = every is not None and snap.step // every > self._persist_mark // every
-        self._persist_mark = max(self._persist_mark, snap.step)
-        if self.persister is None or not (crossed or self._persist_requested):
-            return
-        if self._persist_busy or self._held is not None:
-            self._event("persist_skipped", snapshot_step=snap.step, reason="previous write busy")
-            return
-        self._persist_requested = False
-        snap.held = True
-        self._held = snap
-        self.persister.submit(
-            snap,
-            self._part_keys(snap, writer=0),
-            self._part_keys(snap, writer=self.local.leader if self.local else 0),
-            nonce=f"{self._run_token}-{self.rollbacks}",
-        )
-
-    def _part_keys(self, snap: Snapshot, writer: int) -> list[str]:
-        """What this rank writes when rank ``writer`` holds the shared (replicated) state."""
-        if self.comm.rank == writer or not self.engine.grads_replicated:
-            return list(snap.skeleton)
-        return sorted(self.engine.rank_local_keys)
-
-    def _local_tier(self) -> LocalTier:
-        """Group the ranks by host: each node keeps its own copy under persist.local_dir."""
-        hosts = self.comm.all_gather_object(socket.gethostname())
-        node_ranks = [r for r, h in enumerate(hosts) if h == hosts[self.comm.rank]]
-        # One directory per run, so runs sharing a node (and its /dev/shm) never mix.
-        run_key = hashlib.sha1(self.run_dir.encode()).hexdigest()[:12]
-        assert self.policy.persist.local_dir is not None
-        url = f"{self.policy.persist.local_dir.rstrip('/')}/{run_key}"
-        return LocalTier(DurableStore(url), leader=min(node_ranks), node_ranks=node_ranks)
-
-    def _invalidate_durable_after(self, step: int) -> None:
-        """Durable snapshots newer than ``step`` belong to a timeline that was abandoned
-        (rolled back, or not valid on resume): never resume from them."""
-        self._persist_mark = step
-        if self.persister is not None:
-            self.persister.invalidate_after(step)
-
     def _persist_final(self) -> None:
         """Persist the state the loop ended with, so a finished run can be picked up (or
         resumed at another world size) from its last step."""
-        assert self.persister is not None
-        if self.global_step <= self._persist_mark or self.global_step == 0:
-            return
-        self.persister.wait_idle(self.policy.persist.commit_timeout_s)
-        if self._held is not None:
-            self._held.held = False
-            self._held = None
-        self._persist_busy = False
-        snap = self._snapshot()
-        if snap is None:
-            return
-        snap.wait()
-        snap.sealed = True  # its own step is not run: finiteness is checked on load instead
-        self._persist_requested = True
-        self._maybe_persist(snap)
-
-    def _resume(self) -> None:
-        """Restore the newest valid committed snapshot, agreed by every rank.
-
-        Raises:
-            PersistError: committed snapshots exist but none is valid (starting from
-                scratch silently could throw away days of training).
-        """
-        listing = None
-        if self.comm.rank == 0:
-            listing = [(c.step, c.manifest) for c in self.store.candidates() if c.committed]
-        listing = self.comm.broadcast_object(listing)
-        if self._resume_local(newest_remote=listing[0][0] if listing else -1):
-            return
-        rejected: list[tuple[int, list[str]]] = []
-        for step, manifest in listing:
-            tree, error = self._load_durable(self.store, step, manifest, shared_rank=0)
-            errors = [e for e in self.comm.all_gather_object(error) if e]
-            if errors:
-                rejected.append((step, errors))
-                self._event("snapshot_invalid", snapshot_step=step, reasons=errors)
-                continue
-            assert tree is not None and manifest is not None
-            self._restore_resumed(tree, manifest, self.store.url)
-            return
-        if rejected:
-            raise PersistError(
-                f"{len(rejected)} committed snapshot(s) under {self.store.url}, none valid "
-                f"(steps {[s for s, _ in rejected]}; first reason: {rejected[0][1][0]}). "
-                "To start from scratch anyway set persist.resume: false or use another "
-                "persist.url; to keep them, check the storage and run "
-                f"`orchestrator snapshots {self.store.url}`"
-            )
-
-    def _resume_local(self, newest_remote: int) -> bool:
-        """Use the node-local tier if every rank has the same valid step there and it is
-        not older than the newest remote snapshot."""
-        if self.local is None:
-            return False
-        found: tuple[int, dict[str, Any]] | None = None
-        for c in self.local.store.candidates():
-            if c.committed and c.manifest is not None:
-                found = (c.step, c.manifest)
-                break
-        tree = None
-        if found is not None and found[0] >= newest_remote:
-            tree, _ = self._load_durable(self.local.store, *found, shared_rank=self.local.leader)
-        steps = self.comm.all_gather_object(found[0] if tree is not None and found else None)
-        if steps[0] is None or any(s != steps[0] for s in steps):
-            return False
-        assert tree is not None and found is not None
-        self._restore_resumed(tree, found[1], self.local.store.url)
-        return True
-
-    def _load_durable(
-        self, store: DurableStore, step: int, manifest: dict[str, Any] | None, shared_rank: int
-    ) -> tuple[dict[str, Any] | None, str | None]:
-        """This rank's state from one snapshot (the shared state from ``shared_rank``'s
-        part), or why it cannot be used. Never raises, so every rank reaches the agreement
-        that follows."""
-        rank = self.comm.rank
-        try:
-            if manifest is None:
-                raise PersistError(f"snapshot {step}: manifest.json is unreadable")
-            saved = manifest.get("ranks") or list(range(int(manifest["world_size"])))
-            own = rank if rank in saved else shared_rank  # a new rank takes the shared RNG
-            retry = storage_retry(self.policy.persist)
-
-            def read() -> dict[str, Any]:
-                self.faults.storage("read", step)
-                store.validate_files(step, manifest, sorted({shared_rank, own}))
-                tree = store.load_part(step, shared_rank)
-                if own != shared_rank:
-                    tree.update(store.load_part(step, own))
-                return tree
-
-            return retry(read), None
-        except Exception as err:  # anything wrong with this snapshot: try an older one
-            return None, f"rank {rank}: {err}"
-        except CheckpointException as err:  # DCP's, a BaseException
-            return None, f"rank {rank}: {err}"
+        if self.global_step > self.durable.mark and self.global_step > 0:
+            self.durable.persist_now(self._snapshot, self.rollbacks)
 
     def _restore_resumed(self, tree: dict[str, Any], manifest: dict[str, Any], url: str) -> None:
+        """Make a snapshot loaded from durable storage the ring's first, sealed, snapshot
+        and the live state."""
         g = tree["guard"]
         snap = self.ring.capture(int(g["step"]), tree)
         assert snap is not None  # the ring is empty at start
@@ -817,12 +625,12 @@ class Guard:
             ) from err
         self.global_step, self._pos = int(g["step"]), (int(g["epoch"]), int(g["offset"]))
         self.adjuster.load_state_dict(g["adjust"])
-        self._invalidate_durable_after(self.global_step)
+        self.durable.invalidate_after(self.global_step)
         self._event(
             "resume",
             snapshot_step=self.global_step,
             url=url,
-            tier="local" if self.local is not None and url == self.local.store.url else "remote",
+            tier=self.durable.tier_of(url),
             saved_world_size=manifest["world_size"],
             world_size=self.comm.world_size,
             epoch=self._pos[0],

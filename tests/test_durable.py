@@ -215,9 +215,14 @@ def test_rollback_invalidates_newer_durable_snapshots(tmp_path: Path) -> None:
     d = tmp_path / "run"
     train_inproc(d, policy, steps=16)
     (rb,) = events(d, "rollback")
-    assert rb["details"]["to_step"] <= 9
+    target = rb["details"]["to_step"]
+    assert target <= 9
+    # Whatever was committed past the target before the rollback is withdrawn (how much
+    # was committed depends on how fast the writer kept up with these tiny steps).
+    before = [e["step"] for e in events(d, "persist") if e["time"] < rb["time"]]
     gone = [s for e in events(d, "persist_invalidate") for s in e["details"]["uncommitted_steps"]]
-    assert gone and min(gone) > rb["details"]["to_step"]
+    assert {s for s in before if s > target} <= set(gone)
+    assert all(s > target for s in gone)
     # Started again: resumes from the replayed timeline's snapshot and matches the clean run.
     _, state, _ = train_inproc(d, policy, steps=20)
     assert events(d, "resume")[0]["details"]["snapshot_step"] == 16

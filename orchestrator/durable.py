@@ -1,0 +1,265 @@
+"""The Guard's durable tier: when to persist, what each rank writes, and resume on start.
+
+Storage itself is in :mod:`orchestrator.persist`; this module holds the decisions, which
+must be identical on every rank. They are functions of the step and of the step's
+all-reduced control slots only (rank 0's persist timer, any writer busy, any write failed),
+never of a rank's own writer state, so no rank ever waits for a part that another rank
+decided not to write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from orchestrator.comm import Comm
+from orchestrator.detect import PERSIST_BUSY, PERSIST_FAILED, PERSIST_REQUEST
+from orchestrator.engines import Engine
+from orchestrator.faults import FaultInjector
+from orchestrator.journal import Journal
+from orchestrator.persist import (
+    DurableStore,
+    LocalTier,
+    Persister,
+    PersistError,
+    default_url,
+    storage_retry,
+)
+from orchestrator.policy import Policy
+from orchestrator.snapshot import Snapshot
+
+#: A state tree to restore, the manifest it came with, and the store URL it came from.
+Resumable = tuple[dict[str, Any], dict[str, Any], str]
+
+
+class DurableTier:
+    def __init__(
+        self,
+        policy: Policy,
+        comm: Comm,
+        engine: Engine,
+        run_dir: str,
+        journal: Journal,
+        faults: FaultInjector,
+        event: Callable[..., None],
+    ) -> None:
+        self.policy = policy.persist
+        self.comm = comm
+        self.engine = engine
+        self.faults = faults
+        self.event = event  # journals a collective decision once (rank 0)
+        self.store = DurableStore(self.policy.url or default_url(run_dir))
+        self.local = (
+            self._local_tier(run_dir) if self.policy.enabled and self.policy.local_dir else None
+        )
+        self.persister: Persister | None = None
+        if self.policy.enabled:
+            self.persister = Persister(
+                self.policy,
+                self.store,
+                comm.rank,
+                comm.world_size,
+                journal,
+                extra={"policy_digest": policy.digest(), "engine": type(engine).__name__},
+                faults=faults,
+                local=self.local,
+            )
+        self.requested = False  # persist the next sealed snapshot (rank 0's timer said so)
+        self.busy = False  # some rank's writer was busy at the last all-reduce
+        self.held: Snapshot | None = None  # handed to the writers, not yet released
+        self.mark = 0  # newest sealed step considered for persisting
+        self._last_time = time.monotonic()
+        # Names this run's writes, so no part of an earlier attempt is ever committed.
+        self._token = comm.broadcast_object(os.urandom(4).hex())
+
+    # --- the per-step control slots -------------------------------------------------------
+    def control(self) -> tuple[float, float, float]:
+        """Local (persist request, write failed, writer busy) for the step's all-reduce."""
+        if self.persister is None:
+            return 0.0, 0.0, 0.0
+        every_s = self.policy.every_s
+        timer = (
+            every_s is not None
+            and self.comm.rank == 0  # one clock decides; the all-reduce tells the others
+            and time.monotonic() - self._last_time >= every_s
+        )
+        return float(timer), float(self.persister.failed), float(self.persister.busy)
+
+    def observe(self, vals: list[float], step: int) -> None:
+        """Act on the all-reduced control slots (identical on every rank).
+
+        Raises:
+            PersistError: a write failed on some rank and ``persist.required`` is set.
+        """
+        if vals[PERSIST_REQUEST] > 0:
+            self.requested = True
+            self._last_time = time.monotonic()
+        self.busy = vals[PERSIST_BUSY] > 0
+        if not self.busy and self.held is not None:
+            self.held.held = False  # every rank's writer is done with it: same step on all
+            self.held = None
+        if vals[PERSIST_FAILED] > 0 and self.policy.required:
+            self.event("persist_required_failed", url=self.store.url)
+            raise PersistError(
+                f"[step {step}] a durable snapshot could not be written to {self.store.url} "
+                "and persist.required is true: fix the storage (see persist_failed in the "
+                "journal) and restart; training resumes from the newest committed snapshot"
+            )
+
+    # --- persisting -----------------------------------------------------------------------
+    def on_sealed(self, snap: Snapshot, rollbacks: int) -> None:
+        """Persist ``snap`` if it is due, unless a write is still in flight somewhere."""
+        every = self.policy.every_steps
+        crossed = every is not None and snap.step // every > self.mark // every
+        self.mark = max(self.mark, snap.step)
+        if self.persister is None or not (crossed or self.requested):
+            return
+        if self.busy or self.held is not None:
+            self.event("persist_skipped", snapshot_step=snap.step, reason="previous write busy")
+            return
+        self.requested = False
+        snap.held = True
+        self.held = snap
+        self.persister.submit(
+            snap,
+            self._part_keys(snap, writer=0),
+            self._part_keys(snap, writer=self.local.leader if self.local else 0),
+            nonce=f"{self._token}-{rollbacks}",
+        )
+
+    def persist_now(self, capture: Callable[[], Snapshot | None], rollbacks: int) -> bool:
+        """Outside the step protocol (end of run, preemption): wait for this rank's writer,
+        snapshot the current state, persist it and wait for that too. True if written."""
+        if self.persister is None:
+            return False
+        timeout = self.policy.commit_timeout_s
+        self.persister.wait_idle(timeout)
+        if self.held is not None:
+            self.held.held = False
+            self.held = None
+        self.busy = False
+        snap = capture()
+        if snap is None:
+            return False
+        snap.wait()
+        snap.sealed = True  # its own step is not run: finiteness is checked on load instead
+        self.requested = True
+        self.on_sealed(snap, rollbacks)
+        return self.persister.wait_idle(timeout) and not self.persister.failed
+
+    def _part_keys(self, snap: Snapshot, writer: int) -> list[str]:
+        """What this rank writes when rank ``writer`` holds the shared (replicated) state."""
+        if self.comm.rank == writer or not self.engine.grads_replicated:
+            return list(snap.skeleton)
+        return sorted(self.engine.rank_local_keys)
+
+    def _local_tier(self, run_dir: str) -> LocalTier:
+        """Group the ranks by host: each node keeps its own copy under persist.local_dir."""
+        hosts = self.comm.all_gather_object(socket.gethostname())
+        node_ranks = [r for r, h in enumerate(hosts) if h == hosts[self.comm.rank]]
+        # One directory per run, so runs sharing a node (and its /dev/shm) never mix.
+        run_key = hashlib.sha1(run_dir.encode()).hexdigest()[:12]
+        assert self.policy.local_dir is not None
+        url = f"{self.policy.local_dir.rstrip('/')}/{run_key}"
+        return LocalTier(DurableStore(url), leader=min(node_ranks), node_ranks=node_ranks)
+
+    def invalidate_after(self, step: int) -> None:
+        """Durable snapshots newer than ``step`` belong to a timeline that was abandoned
+        (rolled back, or not valid on resume): never resume from them."""
+        self.mark = step
+        if self.persister is not None:
+            self.persister.invalidate_after(step)
+
+    def close(self) -> None:
+        if self.persister is not None:
+            self.persister.close(self.policy.commit_timeout_s)
+
+    # --- resume ---------------------------------------------------------------------------
+    def find_resume(self) -> Resumable | None:
+        """The newest snapshot valid on every rank (collective), or None if there is none.
+
+        Raises:
+            PersistError: committed snapshots exist but none is valid (starting from
+                scratch silently could throw away days of training).
+        """
+        listing = None
+        if self.comm.rank == 0:
+            listing = [(c.step, c.manifest) for c in self.store.candidates() if c.committed]
+        listing = self.comm.broadcast_object(listing)
+        local = self._find_local(newest_remote=listing[0][0] if listing else -1)
+        if local is not None:
+            return local
+        rejected: list[tuple[int, list[str]]] = []
+        for step, manifest in listing:
+            tree, error = self._load(self.store, step, manifest, shared_rank=0)
+            errors = [e for e in self.comm.all_gather_object(error) if e]
+            if errors:
+                rejected.append((step, errors))
+                self.event("snapshot_invalid", snapshot_step=step, reasons=errors)
+                continue
+            assert tree is not None and manifest is not None
+            return tree, manifest, self.store.url
+        if rejected:
+            raise PersistError(
+                f"{len(rejected)} committed snapshot(s) under {self.store.url}, none valid "
+                f"(steps {[s for s, _ in rejected]}; first reason: {rejected[0][1][0]}). "
+                "To start from scratch anyway set persist.resume: false or use another "
+                "persist.url; to keep them, check the storage and run "
+                f"`orchestrator snapshots {self.store.url}`"
+            )
+        return None
+
+    def _find_local(self, newest_remote: int) -> Resumable | None:
+        """The node-local tier, if every rank has the same valid step there and it is not
+        older than the newest remote snapshot."""
+        if self.local is None:
+            return None
+        found: tuple[int, dict[str, Any]] | None = None
+        for c in self.local.store.candidates():
+            if c.committed and c.manifest is not None:
+                found = (c.step, c.manifest)
+                break
+        tree = None
+        if found is not None and found[0] >= newest_remote:
+            tree, _ = self._load(self.local.store, *found, shared_rank=self.local.leader)
+        steps = self.comm.all_gather_object(found[0] if tree is not None and found else None)
+        if steps[0] is None or any(s != steps[0] for s in steps):
+            return None
+        assert tree is not None and found is not None
+        return tree, found[1], self.local.store.url
+
+    def _load(
+        self, store: DurableStore, step: int, manifest: dict[str, Any] | None, shared_rank: int
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """This rank's state from one snapshot (the shared state from ``shared_rank``'s
+        part), or why it cannot be used. Never raises, so every rank reaches the agreement
+        that follows."""
+        rank = self.comm.rank
+        try:
+            if manifest is None:
+                raise PersistError(f"snapshot {step}: manifest.json is unreadable")
+            saved = manifest.get("ranks") or list(range(int(manifest["world_size"])))
+            own = rank if rank in saved else shared_rank  # a new rank takes the shared RNG
+
+            def read() -> dict[str, Any]:
+                self.faults.storage("read", step)
+                store.validate_files(step, manifest, sorted({shared_rank, own}))
+                tree = store.load_part(step, shared_rank)
+                if own != shared_rank:
+                    tree.update(store.load_part(step, own))
+                return tree
+
+            return storage_retry(self.policy)(read), None
+        except Exception as err:  # anything wrong with this snapshot: try an older one
+            return None, f"rank {rank}: {err}"
+        except CheckpointException as err:  # DCP's, a BaseException
+            return None, f"rank {rank}: {err}"
+
+    def tier_of(self, url: str) -> str:
+        return "local" if self.local is not None and url == self.local.store.url else "remote"
