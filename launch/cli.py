@@ -58,6 +58,53 @@ def _snapshots(args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from launch.supervisor import Supervisor
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if args.nproc is not None:  # short form: orchestrator launch --nproc N script.py args
+        if not cmd:
+            print(
+                "orchestrator launch --nproc N needs a script: ... --nproc 2 train.py",
+                file=sys.stderr,
+            )
+            return EXIT_INVALID
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+               str(args.nproc), *cmd]  # fmt: skip
+    if not cmd:
+        print(
+            "orchestrator launch needs a command: orchestrator launch -- torchrun ...",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as err:
+        print(err, file=sys.stderr)
+        return EXIT_INVALID
+    run_dir = (
+        args.run_dir
+        or os.environ.get("ORCHESTRATOR_RUN_DIR")
+        or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    )
+    return Supervisor(policy, run_dir, cmd).run()
+
+
+def _status(args: argparse.Namespace) -> int:
+    from launch.status import render
+
+    print(render(args.run_dir))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from launch.demo import run_demo
+
+    return run_demo(args.run_dir, args.steps)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orchestrator",
@@ -73,6 +120,26 @@ def build_parser() -> argparse.ArgumentParser:
     sn.add_argument("target", help="a run directory, or the fsspec URL of a snapshot store")
     sn.add_argument("--quick", action="store_true", help="skip checksums and loading")
     sn.set_defaults(func=_snapshots)
+    la = sub.add_parser(
+        "launch",
+        help="run a training command under the supervisor (restarts, hangs, preemption)",
+        description="orchestrator launch [--policy P] [--run-dir D] -- torchrun|deepspeed|"
+        "python|srun ARGS...   or   orchestrator launch --nproc N script.py ARGS...",
+    )
+    la.add_argument("--policy", help="policy YAML (default: $ORCHESTRATOR_POLICY or defaults)")
+    la.add_argument("--run-dir", help="default: $ORCHESTRATOR_RUN_DIR or ./runs/<time>")
+    la.add_argument("--nproc", type=int, help="short form: build the torchrun command")
+    la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    la.set_defaults(func=_launch)
+    st = sub.add_parser("status", help="one screen on a run: attempts, ranks, incidents")
+    st.add_argument("run_dir")
+    st.set_defaults(func=_status)
+    de = sub.add_parser(
+        "demo", help="2 CPU ranks under the supervisor: a NaN and a crash, recovered"
+    )
+    de.add_argument("--run-dir", help="default: ./runs/demo-<time>")
+    de.add_argument("--steps", type=int, default=120)
+    de.set_defaults(func=_demo)
     return parser
 
 

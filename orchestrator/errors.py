@@ -16,6 +16,9 @@ EXIT_OK = 0
 EXIT_GAVE_UP = 71  # incident budget spent: restarting would loop, do not restart
 EXIT_UNHEALTHY = 72  # a health check failed on this rank: restart elsewhere / evict the node
 EXIT_PREEMPTED = 73  # stopped on request after a durable snapshot: requeue
+# Supervisor only (``orchestrator launch``):
+EXIT_CRASH_LOOP = 74  # attempts in a row made no progress: a bug or a broken node, not luck
+EXIT_RESTARTS_EXHAUSTED = 75  # supervisor.max_restarts spent
 
 
 class OrchestratorError(Exception):
@@ -41,6 +44,12 @@ class RunStop(SystemExit):
 
     def __str__(self) -> str:
         return self.message
+
+
+class Preempted(RunStop):
+    """Stopped on SIGTERM/SIGINT at a step boundary, after a durable snapshot."""
+
+    exit_code = EXIT_PREEMPTED
 
 
 class GaveUp(RunStop):

@@ -20,7 +20,9 @@ from collections.abc import Iterable
 from orchestrator.journal import Journal, read_journal
 from orchestrator.policy import (
     CrashFault,
+    ExitFault,
     Fault,
+    HangFault,
     InfLossFault,
     NanGradFault,
     PoisonSampleFault,
@@ -56,7 +58,7 @@ class FaultInjector:
             for e in read_journal(run_dir)
             if e.get("kind") == "fault" and e.get("rank") == rank
         }
-        once = (NanGradFault, InfLossFault, CrashFault)
+        once = (NanGradFault, InfLossFault, CrashFault, HangFault, ExitFault)
         self._pending: list[Fault] = [
             f
             for f in faults
@@ -106,10 +108,18 @@ class FaultInjector:
         """True when a NaN must be written into a gradient after backward."""
         return self._take(NanGradFault, step)
 
-    def maybe_crash(self, step: int) -> None:
-        """Die the way an OOM kill or a segfault does: no cleanup, no exit code of ours."""
+    def process_faults(self, step: int) -> None:
+        """``crash``: die the way an OOM kill or a segfault does (SIGKILL, no cleanup).
+        ``exit``: exit at once with the fault's code. ``hang``: block forever inside the
+        step, as a rank stuck in a dead collective does."""
         if self._take(CrashFault, step):
             os.kill(os.getpid(), signal.SIGKILL)
+        for f in list(self._pending):
+            if isinstance(f, ExitFault) and f.step == step and self._take(ExitFault, step):
+                os._exit(f.code)
+        if self._take(HangFault, step):
+            while True:
+                time.sleep(3600)
 
     def storage(self, op: str, step: int) -> None:
         """Delay ``op`` (slow_storage), or raise an injected storage error for it while the

@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -35,14 +37,16 @@ from orchestrator.detect import (
     GRAD_NORM_SQ,
     LOSS,
     LOSS_NONFINITE,
+    STOP,
     SpikeDetector,
     grad_norm,
     pack_local,
 )
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine, TorchEngine
-from orchestrator.errors import GaveUp, OrchestratorError, PolicyError, UsageError
+from orchestrator.errors import GaveUp, OrchestratorError, PolicyError, Preempted, UsageError
 from orchestrator.faults import FaultInjector
+from orchestrator.heartbeat import Heartbeat
 from orchestrator.incident import Incident
 from orchestrator.journal import Journal
 from orchestrator.persist import PersistError, storage_retry
@@ -177,6 +181,15 @@ class Guard:
             self._event,
         )
         self._resumed = False
+        self.heartbeat = Heartbeat(
+            self.run_dir,
+            self.comm.global_rank,
+            self.attempt,
+            self.policy.supervisor.heartbeat_interval_s,
+        )
+        self._stop_requested = False
+        self._old_handlers: dict[int, Any] = {}
+        self._install_stop_handlers()
 
         self._check_memory()
         if self.comm.rank == 0:
@@ -322,6 +335,8 @@ class Guard:
 
         Raises:
             GaveUp: the incident budget is spent (exit code 71 when uncaught).
+            Preempted: SIGTERM/SIGINT reached a rank; a durable snapshot of the state after
+                this step was written (exit code 73 when uncaught).
         """
         del loss  # the loss seen by backward (with any injected fault) is the one checked
         if self._phase != "backward":
@@ -333,15 +348,21 @@ class Guard:
         assert self._loss is not None
         if self._probe is not None:
             return self._probe_step()
-        self.faults.maybe_crash(self.global_step)
+        self.faults.process_faults(self.global_step)
         if self.faults.grad_fault(self.global_step):
             self.engine.poison_grad()
         grads = self.engine.grads()
         check_grads = self.policy.detect.check_grads
-        control = (0.0, *self.durable.control())
+        control = (float(self._stop_requested), *self.durable.control())
         packed = pack_local(self._loss, grads, check_grads, control)
         vals = self.comm.all_reduce_sum_(packed).tolist()  # the one host sync of the step
         self.durable.observe(vals, self.global_step)
+        outcome = self._decide(vals)
+        if vals[STOP] > 0 and self._probe is None and self._open is None:
+            self._preempt()  # some rank was asked to stop: all stop here, together
+        return outcome
+
+    def _decide(self, vals: list[float]) -> str:
         world = self.comm.world_size
         gloss = vals[LOSS] / world
         gnorm = math.sqrt(vals[GRAD_NORM_SQ] / (world if self.engine.grads_replicated else 1))
@@ -366,8 +387,13 @@ class Guard:
             return
         self._closed = True
         if self._probe is None and self._open is None and self._resumed:
+            self.heartbeat.beat(self.global_step, phase="closing", force=True)
             self._persist_final()
         self.durable.close()
+        self.heartbeat.beat(self.global_step, phase="done", force=True)
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)
         self._event(
             "run_end",
             steps=self.global_step,
@@ -404,6 +430,7 @@ class Guard:
         for snap in self.ring.seal_through(self.global_step, self.policy.snapshot.seal_after_steps):
             self.durable.on_sealed(snap, self.rollbacks)
         self.global_step += 1
+        self.heartbeat.beat(self.global_step)
         phase = self.adjuster.on_commit()
         if phase is not None:
             self._event("adjust", phase=phase, lr_multiplier=self.adjuster.multiplier())
@@ -547,6 +574,7 @@ class Guard:
         if self.comm.rank == 0:
             logger.warning("%s", inc.format())
         self._open = None
+        self.heartbeat.beat(self.global_step, phase="recovered", force=True)
 
     def _ledger_add(self, ids: list[int], step: int, reason: str) -> bool:
         """Rank 0 appends to the ledger, retrying; a storage failure is journaled, never
@@ -600,6 +628,33 @@ class Guard:
             "offset": self._pos[1],
             "adjust": self.adjuster.state_dict(),
         }
+
+    def _install_stop_handlers(self) -> None:
+        """SIGTERM/SIGINT become a collective stop at the next step boundary (they ride the
+        step's all-reduce). SIGTERM stays caught (torchrun and a supervisor may both send
+        it); a second SIGINT gets Python's default: KeyboardInterrupt."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+
+        def on_signal(signum: int, frame: object) -> None:
+            self._stop_requested = True
+            if signum == signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        self._old_handlers = {
+            sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
+
+    def _preempt(self) -> None:
+        """Write a durable snapshot of the current state, journal, and stop."""
+        self.heartbeat.beat(self.global_step, phase="preempting", force=True)
+        written = self.durable.persist_now(self._snapshot, self.rollbacks)
+        self._event("preempted", persisted=written, url=self.durable.store.url)
+        self.close()
+        raise Preempted(
+            f"stopped on request at step {self.global_step}"
+            + (" after a durable snapshot" if written else " (no durable snapshot written)")
+        )
 
     def _persist_final(self) -> None:
         """Persist the state the loop ended with, so a finished run can be picked up (or

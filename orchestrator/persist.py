@@ -33,6 +33,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,14 @@ from orchestrator.policy import PersistPolicy
 from orchestrator.snapshot import Snapshot, _Leaf
 
 logger = logging.getLogger(__name__)
+
+# Each rank writes and reads its own part with DCP's no_dist mode on purpose; DCP warns
+# about that on every call. Only that message, only from DCP.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    module="torch.distributed.checkpoint",
+)
 
 MANIFEST, MARKER = "manifest.json", "COMMITTED"
 TRANSIENT = (OSError, TimeoutError)  # what storage throws when it is only having a bad moment

@@ -197,6 +197,50 @@ class PersistPolicy(_Section):
         return self
 
 
+class SupervisorPolicy(_Section):
+    max_restarts: int = Field(10, ge=0, description="Restarts before the supervisor gives up.")
+    backoff_s: float = Field(
+        2.0, ge=0, description="First restart delay; doubles each restart (with jitter)."
+    )
+    backoff_max_s: float = Field(120.0, ge=0, description="Cap of the restart delay.")
+    max_unhealthy: int = Field(
+        2, ge=0, description="Attempts ending UNHEALTHY (exit 72) tolerated before stopping."
+    )
+    crash_loop_attempts: int = Field(
+        3,
+        ge=1,
+        description="Stop when this many attempts in a row made no step progress "
+        "beyond the best step so far (a crash loop), instead of burning max_restarts.",
+    )
+    progress_runtime_s: float = Field(
+        300.0,
+        ge=0,
+        description="An attempt that writes no heartbeats (a script without the "
+        "Guard) counts as progress for the crash-loop rule if it ran at least this long.",
+    )
+    hang_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="No heartbeat progress from a rank for this long is a hang: "
+        "the workers are stopped and restarted.",
+    )
+    start_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Also a hang if an attempt writes no heartbeat within this "
+        "long (null: no limit; scripts without the Guard never write heartbeats).",
+    )
+    grace_s: float = Field(
+        60.0,
+        gt=0,
+        description="After SIGTERM, how long the workers get (to finish the step "
+        "and write a snapshot) before SIGKILL.",
+    )
+    heartbeat_interval_s: float = Field(
+        2.0, gt=0, description="Ranks write their heartbeat at most this often."
+    )
+
+
 class _StepFault(_Section):
     step: int = Field(ge=0, description="Step at which the fault fires (0-based).")
     rank: int = Field(0, ge=0, description="Global rank on which it fires.")
@@ -217,6 +261,15 @@ class PoisonSampleFault(_Section):
 
 class CrashFault(_StepFault):
     kind: Literal["crash"]
+
+
+class HangFault(_StepFault):
+    kind: Literal["hang"]
+
+
+class ExitFault(_StepFault):
+    kind: Literal["exit"]
+    code: int = Field(1, ge=0, le=255, description="Exit code of the process.")
 
 
 class StorageErrorFault(_Section):
@@ -245,6 +298,8 @@ Fault = Annotated[
     | InfLossFault
     | PoisonSampleFault
     | CrashFault
+    | HangFault
+    | ExitFault
     | StorageErrorFault
     | SlowStorageFault
     | TruncateSnapshotFault,
@@ -265,6 +320,7 @@ class Policy(_Section):
     persist: PersistPolicy = Field(default_factory=PersistPolicy)  # type: ignore[arg-type]
     adjust: AdjustPolicy = Field(default_factory=AdjustPolicy)  # type: ignore[arg-type]
     escalation: EscalationPolicy = Field(default_factory=EscalationPolicy)  # type: ignore[arg-type]
+    supervisor: SupervisorPolicy = Field(default_factory=SupervisorPolicy)  # type: ignore[arg-type]
     faults: list[Fault] = Field(
         default_factory=list, description="Fault injection for drills and tests (off: empty)."
     )

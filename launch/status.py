@@ -1,0 +1,68 @@
+"""`orchestrator status RUN_DIR`: where a run stands, in one screen."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+
+from orchestrator.heartbeat import read_heartbeats
+from orchestrator.journal import read_journal
+from orchestrator.persist import DurableStore, default_url
+from orchestrator.policy import load_policy
+
+
+def render(run_dir: str) -> str:
+    run_dir = os.path.abspath(run_dir)
+    if not os.path.isdir(run_dir):
+        return f"{run_dir}: no such run directory"
+    events = list(read_journal(run_dir))
+    kinds = Counter(e["kind"] for e in events)
+    attempt = max((int(e.get("attempt", 0)) for e in events), default=0)
+    steps = [int(e["step"]) for e in events if isinstance(e.get("step"), int)]
+    last = events[-1] if events else None
+    exit_event = next((e for e in reversed(events) if e["kind"] == "supervisor_exit"), None)
+    quarantined = sum(
+        len(e["details"].get("samples", [])) for e in events if e["kind"] == "quarantine"
+    )
+    lines = [f"run {run_dir}"]
+    lines.append(
+        f"  attempt {attempt}   newest step {max(steps, default=0)}   "
+        f"restarts {kinds['restart']}   hangs {kinds['hang']}   incidents {kinds['incident']}   "
+        f"rollbacks {kinds['rollback']}   quarantined {quarantined}"
+    )
+    if exit_event:
+        d = exit_event["details"]
+        lines.append(f"  supervisor exited {d['exit_code']}: {d['reason']}")
+    elif last:
+        age = time.time() - float(last["time"])
+        lines.append(f"  last event {last['kind']} at step {last['step']}, {age:.0f} s ago")
+    beats = read_heartbeats(run_dir)
+    if beats:
+        lines.append("  rank  attempt  step     phase       heartbeat age   host")
+        for b in beats:
+            age = time.time() - float(b["time"])
+            lines.append(
+                f"  {b['rank']:>4}  {b['attempt']:>7}  {b['step']:>6}   {b.get('phase', ''):<10}  "
+                f"{age:>10.1f} s   {b.get('host', '')}"
+            )
+    try:
+        policy_file = os.path.join(run_dir, "policy.yaml")
+        policy = load_policy(policy_file) if os.path.exists(policy_file) else None
+        url = (policy.persist.url if policy else None) or default_url(run_dir)
+        committed = DurableStore(url).committed_steps()
+        lines.append(
+            f"  durable snapshots: {committed[:5] if committed else 'none'} (newest first) at {url}"
+        )
+    except Exception as err:  # status must always print
+        lines.append(f"  durable snapshots: cannot list ({err})")
+    for e in [e for e in events if e["kind"] in ("incident", "restart", "hang", "gave_up")][-5:]:
+        when = time.strftime("%H:%M:%S", time.localtime(float(e["time"])))
+        lines.append(f"  {when} attempt {e['attempt']} step {e['step']}: {e['kind']} "
+                     f"{_brief(e['details'])}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _brief(details: dict[str, object]) -> str:
+    keep = ("reason", "cause", "returncode", "origin_ranks", "stalled_ranks", "why")
+    return " ".join(f"{k}={details[k]}" for k in keep if k in details)

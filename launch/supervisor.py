@@ -1,0 +1,362 @@
+"""The supervisor: runs the launcher command, restarts it, stops it, and says why.
+
+One supervisor per node wraps whatever starts the workers (``torchrun``, ``deepspeed``,
+``python``, ``srun``). It talks to the workers only through the environment
+(``ORCHESTRATOR_POLICY``, ``ORCHESTRATOR_RUN_DIR``, ``ORCHESTRATOR_ATTEMPT``), the run
+directory (journal, heartbeats) and exit codes, so it also restarts scripts that never
+import the library.
+
+Every attempt runs in its own session (process group), its output streamed to the console
+and to ``RUN_DIR/attempts/<n>/output.log``. The outcome of an attempt comes from the exit
+code, or, because torchrun reports 1 whatever its workers exited with, from the journal
+events the workers wrote for that attempt (``gave_up``, ``preempted``, ``unhealthy``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import IO, Any
+
+import yaml
+from tenacity import wait_exponential_jitter
+
+from orchestrator.errors import (
+    EXIT_CRASH_LOOP,
+    EXIT_GAVE_UP,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_RESTARTS_EXHAUSTED,
+    EXIT_UNHEALTHY,
+)
+from orchestrator.guard import ENV_ATTEMPT, ENV_RUN_DIR
+from orchestrator.heartbeat import read_heartbeats
+from orchestrator.journal import Journal, read_journal
+from orchestrator.policy import ENV_POLICY, Policy
+
+logger = logging.getLogger(__name__)
+
+OK, GAVE_UP, UNHEALTHY, PREEMPTED, CRASH, HANG = (
+    "ok",
+    "gave_up",
+    "unhealthy",
+    "preempted",
+    "crash",
+    "hang",
+)
+_BY_CODE = {
+    EXIT_OK: OK,
+    EXIT_GAVE_UP: GAVE_UP,
+    EXIT_UNHEALTHY: UNHEALTHY,
+    EXIT_PREEMPTED: PREEMPTED,
+}
+_BY_EVENT = {"gave_up": GAVE_UP, "unhealthy": UNHEALTHY, "preempted": PREEMPTED}
+SUPERVISOR_RANK = -1  # the journal's rank field for the supervisor's own events
+
+
+@dataclass
+class Attempt:
+    number: int
+    returncode: int
+    outcome: str
+    best_step: int | None  # highest step any local rank reported in this attempt
+    runtime_s: float
+    stalled: dict[int, int] | None = None  # rank -> last step, when it hung
+
+
+class Supervisor:
+    def __init__(self, policy: Policy, run_dir: str, cmd: list[str]) -> None:
+        self.policy = policy
+        self.sup = policy.supervisor
+        self.run_dir = os.path.abspath(run_dir)
+        self.cmd = cmd
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.policy_path = os.path.join(self.run_dir, "policy.yaml")
+        with open(self.policy_path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(policy.model_dump(mode="json"), f, sort_keys=False)
+        self.host = socket.gethostname()
+        self._signals = 0
+        self._wake = threading.Event()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._term_sent_at: float | None = None
+
+    # --- the loop -------------------------------------------------------------------------
+    def run(self) -> int:
+        """Run attempts until one succeeds or a stop rule fires; return the exit code."""
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._loop()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _loop(self) -> int:
+        attempt = self._next_attempt_number()
+        self.journal = journal = Journal(self.run_dir, SUPERVISOR_RANK, attempt)
+        restarts = unhealthy = stalled_attempts = 0
+        best = self._best_step_so_far()
+        try:
+            while True:
+                journal.attempt = attempt
+                journal.write("attempt_start", best, {"cmd": self.cmd, "host": self.host})
+                a = self._run_attempt(attempt)
+                progressed = (a.best_step is not None and a.best_step > best) or (
+                    # A script without the Guard writes no heartbeats: a long life is progress.
+                    a.best_step is None and a.runtime_s >= self.sup.progress_runtime_s
+                )
+                best = max(best, a.best_step if a.best_step is not None else best)
+                journal.write(
+                    "attempt_end",
+                    best,
+                    {
+                        "returncode": a.returncode,
+                        "outcome": a.outcome,
+                        "best_step": a.best_step,
+                        "stalled": a.stalled,
+                    },
+                )
+                if a.outcome == OK:
+                    return self._stop(journal, EXIT_OK, "finished", best)
+                if self._signals:
+                    code = EXIT_PREEMPTED if a.outcome == PREEMPTED else 128 + signal.SIGTERM
+                    return self._stop(journal, code, "stopped on request (signal)", best)
+                if a.outcome == GAVE_UP:
+                    return self._stop(
+                        journal,
+                        EXIT_GAVE_UP,
+                        "the workers gave up (incident budget spent); see gave_up in the journal",
+                        best,
+                    )
+                if a.outcome == PREEMPTED:
+                    return self._stop(journal, EXIT_PREEMPTED, "the workers were preempted", best)
+                if a.outcome == UNHEALTHY:
+                    unhealthy += 1
+                    if unhealthy > self.sup.max_unhealthy:
+                        return self._stop(
+                            journal,
+                            EXIT_UNHEALTHY,
+                            f"{unhealthy} unhealthy "
+                            "attempts, over supervisor.max_unhealthy="
+                            f"{self.sup.max_unhealthy}: check this node",
+                            best,
+                        )
+                stalled_attempts = 0 if progressed else stalled_attempts + 1
+                if stalled_attempts >= self.sup.crash_loop_attempts:
+                    return self._stop(
+                        journal,
+                        EXIT_CRASH_LOOP,
+                        f"crash loop: {stalled_attempts} attempts in a row made no progress "
+                        f"past step {best} (last: {a.outcome}, exit code {a.returncode}); "
+                        f"this looks like a bug or a broken node, not bad luck: read "
+                        f"{self._log_path(attempt)}",
+                        best,
+                    )
+                if restarts >= self.sup.max_restarts:
+                    return self._stop(
+                        journal,
+                        EXIT_RESTARTS_EXHAUSTED,
+                        f"supervisor.max_restarts={self.sup.max_restarts} spent",
+                        best,
+                    )
+                restarts += 1
+                delay = self._backoff(restarts)
+                journal.write(
+                    "restart",
+                    best,
+                    {
+                        "cause": a.outcome,
+                        "returncode": a.returncode,
+                        "restart": restarts,
+                        "next_attempt": attempt + 1,
+                        "delay_s": round(delay, 3),
+                    },
+                )
+                self._say(
+                    f"attempt {attempt} ended: {a.outcome} (exit {a.returncode}); "
+                    f"restart {restarts} in {delay:.1f} s"
+                )
+                if self._wake.wait(delay) and self._signals:
+                    return self._stop(journal, 128 + signal.SIGTERM, "stopped on request", best)
+                attempt += 1
+        finally:
+            journal.close()
+
+    def _backoff(self, restart: int) -> float:
+        wait = wait_exponential_jitter(
+            initial=self.sup.backoff_s, max=self.sup.backoff_max_s, jitter=self.sup.backoff_s
+        )
+        state: Any = type("S", (), {"attempt_number": restart})()
+        return float(wait(state)) if self.sup.backoff_s > 0 else 0.0
+
+    def _stop(self, journal: Journal, code: int, why: str, best: int) -> int:
+        journal.write("supervisor_exit", best, {"exit_code": code, "reason": why})
+        self._say(f"{why}; exit {code}")
+        return code
+
+    # --- one attempt ----------------------------------------------------------------------
+    def _run_attempt(self, attempt: int) -> Attempt:
+        log_dir = os.path.join(self.run_dir, "attempts", str(attempt))
+        os.makedirs(log_dir, exist_ok=True)
+        env = {
+            **os.environ,
+            ENV_POLICY: self.policy_path,
+            ENV_RUN_DIR: self.run_dir,
+            ENV_ATTEMPT: str(attempt),
+        }
+        started = time.time()
+        with open(self._log_path(attempt), "ab") as log:
+            self._proc = proc = subprocess.Popen(
+                self.cmd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: we signal all of it
+            )
+            tee = threading.Thread(target=_tee, args=(proc.stdout, log), daemon=True)
+            tee.start()
+            stalled = self._watch(proc, attempt, started)
+            rc = proc.wait()
+            tee.join(timeout=5)
+        self._proc = None
+        self._term_sent_at = None
+        beats = self._beats(attempt)
+        best_step = max((int(b["step"]) for b in beats), default=None)
+        runtime = time.time() - started
+        if stalled is not None:
+            return Attempt(attempt, rc, HANG, best_step, runtime, stalled)
+        return Attempt(attempt, rc, self._classify(rc, attempt), best_step, runtime)
+
+    def _watch(
+        self, proc: subprocess.Popen[bytes], attempt: int, started: float
+    ) -> dict[int, int] | None:
+        """Poll until the child exits; on a hang, stop it and return the stalled ranks."""
+        while proc.poll() is None:
+            if (
+                self._term_sent_at is not None
+                and time.time() - self._term_sent_at > self.sup.grace_s
+            ):
+                self._kill(signal.SIGKILL)
+            stalled = self._stalled(attempt, started)
+            if stalled:
+                self.journal.write(
+                    "hang",
+                    max(stalled.values(), default=-1),
+                    {
+                        "stalled_ranks": stalled,
+                        "hang_timeout_s": self.sup.hang_timeout_s,
+                        "host": self.host,
+                    },
+                )
+                self._say(
+                    f"hang: ranks {sorted(stalled)} made no progress for "
+                    f"{self.sup.hang_timeout_s:.0f} s (last steps {stalled}); stopping"
+                )
+                self._kill(signal.SIGTERM)
+                try:
+                    proc.wait(self.sup.grace_s)
+                except subprocess.TimeoutExpired:
+                    self._kill(signal.SIGKILL)
+                return stalled
+            self._wake.wait(0.5)
+            self._wake.clear()
+        return None
+
+    def _beats(self, attempt: int) -> list[dict[str, Any]]:
+        return [
+            b
+            for b in read_heartbeats(self.run_dir)
+            if b.get("attempt") == attempt and b.get("host") == self.host
+        ]
+
+    def _stalled(self, attempt: int, started: float) -> dict[int, int] | None:
+        now = time.time()
+        beats = self._beats(attempt)
+        if not beats:
+            limit = self.sup.start_timeout_s
+            if limit is not None and now - started > limit:
+                return {}  # nothing started: a hang before the first step
+            return None
+        late = {
+            int(b["rank"]): int(b["step"])
+            for b in beats
+            if now - float(b["time"]) > self.sup.hang_timeout_s and b.get("phase") != "done"
+        }
+        return late or None
+
+    def _classify(self, rc: int, attempt: int) -> str:
+        if rc in _BY_CODE:
+            return _BY_CODE[rc]
+        for e in read_journal(self.run_dir):  # torchrun masks its workers' codes
+            if e.get("attempt") == attempt and e.get("kind") in _BY_EVENT:
+                return _BY_EVENT[e["kind"]]
+        return CRASH
+
+    # --- signals and helpers ----------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signals += 1
+        self._wake.set()
+        if self._signals == 1 or signum == signal.SIGTERM:
+            # Forward: the Guard turns it into a collective stop with a durable snapshot.
+            self._say(
+                f"got {signal.Signals(signum).name}: stopping the workers gracefully "
+                f"(up to {self.sup.grace_s:.0f} s); press Ctrl-C again to kill them now"
+            )
+            self._kill(signal.SIGTERM)
+            if self._term_sent_at is None:
+                self._term_sent_at = time.time()
+        else:
+            self._say("second interrupt: killing the workers now")
+            self._kill(signal.SIGKILL)
+
+    def _kill(self, sig: int) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _next_attempt_number(self) -> int:
+        """Attempts continue across supervisor restarts (the same command run again)."""
+        attempts = [int(e.get("attempt", -1)) for e in read_journal(self.run_dir)]
+        return max(attempts, default=-1) + 1
+
+    def _best_step_so_far(self) -> int:
+        return max(
+            (
+                int(e["step"])
+                for e in read_journal(self.run_dir)
+                if e.get("kind") in ("attempt_end", "resume", "run_end")
+                and e.get("step") is not None
+            ),
+            default=-1,
+        )
+
+    def _log_path(self, attempt: int) -> str:
+        return os.path.join(self.run_dir, "attempts", str(attempt), "output.log")
+
+    @staticmethod
+    def _say(msg: str) -> None:
+        print(f"[orchestrator] {msg}", file=sys.stderr, flush=True)
+
+
+def _tee(src: IO[bytes] | None, log: IO[bytes]) -> None:
+    """Copy the child's output to our stdout and its attempt log, chunk by chunk."""
+    if src is None:
+        return
+    out = sys.stdout.buffer
+    for chunk in iter(lambda: src.read1(65536), b""):  # type: ignore[attr-defined]
+        log.write(chunk)
+        log.flush()
+        try:
+            out.write(chunk)
+            out.flush()
+        except (BrokenPipeError, ValueError):
+            pass

@@ -1,0 +1,135 @@
+"""Black-box tests of `orchestrator launch`: the CLI in a subprocess (own session, killed on
+timeout), real torchrun workers, real signals. Assertions on state and journal events."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import EXAMPLE, REPO, assert_bitwise_equal, final_states, free_port, kinds, run
+from orchestrator.errors import EXIT_CRASH_LOOP, EXIT_PREEMPTED
+from orchestrator.heartbeat import read_heartbeats
+
+pytestmark = pytest.mark.timeout(300)
+
+FAST = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
+BASE = {"adjust": {"lr_factor": 1.0}, "persist": {"every_steps": 10}, "supervisor": FAST}
+
+
+def launch_cmd(run_dir: Path, policy: dict[str, Any], *cmd: str) -> list[str]:
+    path = run_dir.parent / f"{run_dir.name}-policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    return [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
+            "--run-dir", str(run_dir), "--", *cmd]  # fmt: skip
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE),
+            *args]  # fmt: skip
+
+
+def test_crash_is_restarted_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    clean = tmp_path / "clean"
+    r = run(
+        launch_cmd(clean, BASE, *torchrun("--steps", "60", "--save-final", str(clean / "final")))
+    )
+    assert r.returncode == 0, r.stdout[-3000:]
+    d = tmp_path / "run"
+    policy = {**BASE, "faults": [{"kind": "crash", "step": 50, "rank": 0}]}
+    r = run(launch_cmd(d, policy, *torchrun("--steps", "60", "--save-final", str(d / "final"))))
+    assert r.returncode == 0, r.stdout[-3000:]
+    (restart,) = kinds(d, "restart")
+    assert restart["details"]["cause"] == "crash" and restart["attempt"] == 0
+    (resume,) = kinds(d, "resume")
+    assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] in (30, 40)
+    assert (d / "attempts" / "0" / "output.log").exists()
+    assert (d / "attempts" / "1" / "output.log").exists()
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+
+
+def test_hang_is_detected_and_restarted(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    hang_timeout = 6.0
+    policy = {
+        **BASE,
+        "supervisor": {**FAST, "hang_timeout_s": hang_timeout, "grace_s": 5},
+        "faults": [{"kind": "hang", "step": 30, "rank": 1}],
+    }
+    r = run(launch_cmd(d, policy, *torchrun("--steps", "50")))
+    assert r.returncode == 0, r.stdout[-3000:]
+    (fault,) = [e for e in kinds(d, "fault") if e["details"]["fault"]["kind"] == "hang"]
+    (hang,) = kinds(d, "hang")
+    assert 1 in {int(k) for k in hang["details"]["stalled_ranks"]}
+    assert hang["time"] - fault["time"] <= hang_timeout + 5
+    assert kinds(d, "restart")[0]["details"]["cause"] == "hang"
+    assert kinds(d, "run_end")[-1]["details"]["steps"] == 50
+
+
+def test_crash_loop_stops_early(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    policy = {"supervisor": {**FAST, "max_restarts": 50, "crash_loop_attempts": 3}}
+    r = run(launch_cmd(d, policy, sys.executable, "-c", "import sys; sys.exit(3)"))
+    assert r.returncode == EXIT_CRASH_LOOP
+    ends = kinds(d, "attempt_end")
+    assert [e["details"]["returncode"] for e in ends] == [3, 3, 3]  # not 51 attempts
+    (exit_,) = kinds(d, "supervisor_exit")
+    assert exit_["details"]["exit_code"] == EXIT_CRASH_LOOP
+    assert "crash loop" in exit_["details"]["reason"]
+
+
+def test_sigterm_preempts_with_snapshot_and_the_same_command_resumes(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    policy = {**BASE, "persist": {"every_steps": 1000}}  # only the preemption persists
+    cmd = launch_cmd(d, policy, *torchrun("--steps", "400"))
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # bounded poll: training must reach step 20
+            if any(b["step"] >= 20 for b in read_heartbeats(str(d))):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("training never reached step 20")
+        proc.send_signal(signal.SIGTERM)  # to the supervisor only, as a scheduler would
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    (pre,) = kinds(d, "preempted")
+    assert pre["details"]["persisted"] is True
+    assert [e["step"] for e in kinds(d, "persist")] == [pre["step"]]
+    r = run(launch_cmd(d, policy, *torchrun("--steps", "400")), timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert kinds(d, "resume")[0]["details"]["snapshot_step"] == pre["step"]
+    assert kinds(d, "run_end")[-1]["details"]["steps"] == 400
+
+
+def test_script_without_the_library_gets_crash_restarts(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    marker = tmp_path / "crashed-once"
+    script = (
+        "import os, sys\n"
+        f"m = {str(marker)!r}\n"
+        "if not os.path.exists(m):\n"
+        "    open(m, 'w').close(); print('crashing', flush=True); os.abort()\n"
+        "print('second attempt ok', os.environ['ORCHESTRATOR_ATTEMPT'])\n"
+    )
+    r = run(launch_cmd(d, {"supervisor": FAST}, sys.executable, "-c", script))
+    assert r.returncode == 0, r.stdout[-3000:]
+    (restart,) = kinds(d, "restart")
+    assert restart["details"]["cause"] == "crash" and restart["details"]["returncode"] < 0
+    assert "second attempt ok 1" in (d / "attempts" / "1" / "output.log").read_text()
