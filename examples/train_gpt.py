@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--demo", action="store_true", help="inject a NaN and a poisoned sample")
     ap.add_argument("--run-dir", help="default: $ORCHESTRATOR_RUN_DIR or ./runs/<time>-<pid>")
     ap.add_argument("--save-final", help="directory for rank<r>.pt with the final state")
+    ap.add_argument(
+        "--fsdp", action="store_true", help="shard with FSDP2 (fully_shard), bf16 compute"
+    )
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # entry point: ours to set
@@ -115,7 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     vocab = 64
     torch.manual_seed(0)  # same initial weights on every rank
     model: nn.Module = TinyGPT(vocab, args.seq_len, args.d_model, args.layers, heads=4).to(device)
-    if world > 1:
+    if args.fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if world == 1:
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+    elif world > 1:
         model = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup = 20
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in guard.batches(loader, max_steps=args.steps):
         batch = batch.to(device)
         logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), batch[:, 1:].reshape(-1))
         guard.backward(loss)
         outcome = guard.step(loss)
         if rank == 0 and outcome == "commit" and guard.global_step % 25 == 0:
@@ -145,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.save_final, exist_ok=True)
         torch.save(
             {
-                "model": getattr(model, "module", model).state_dict(),  # no DDP prefix
-                "optim": opt.state_dict(),
+                "model": local_shards(getattr(model, "module", model).state_dict()),
+                "optim": local_shards(opt.state_dict()),
                 "step": guard.global_step,
             },
             os.path.join(args.save_final, f"rank{rank}.pt"),
@@ -159,9 +171,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{guard.rollbacks} rollback(s), "
             f"{kinds.count('snapshot')} snapshots; journal: {guard.run_dir}/journal.jsonl"
         )
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def local_shards(tree):  # type: ignore[no-untyped-def]
+    """This rank's shards of a (possibly FSDP2/DTensor) state dict, as plain tensors."""
+    if isinstance(tree, dict):
+        return {k: local_shards(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [local_shards(v) for v in tree]
+    return tree.to_local() if hasattr(tree, "to_local") else tree
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from orchestrator.detect import (
 )
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine, TorchEngine
+from orchestrator.engines.fsdp import FSDP2Engine, is_fsdp2
 from orchestrator.errors import GaveUp, OrchestratorError, PolicyError, Preempted, UsageError
 from orchestrator.faults import FaultInjector
 from orchestrator.heartbeat import Heartbeat
@@ -137,7 +138,7 @@ class Guard:
     ) -> None:
         self.policy = policy if policy is not None else load_policy()
         self.comm = Comm(process_group)
-        self.engine: Engine = TorchEngine(model, optimizer, scheduler, scaler)
+        self.engine: Engine = _engine_for(model, optimizer, scheduler, scaler)
         self.run_dir = self._resolve_run_dir(run_dir)
         self.attempt = int(os.environ.get(ENV_ATTEMPT, "0"))
         self.journal = Journal(self.run_dir, self.comm.global_rank, self.attempt)
@@ -505,7 +506,7 @@ class Guard:
     def _probe_step(self) -> str:
         assert self._probe is not None and self._loss is not None
         bad = not bool(torch.isfinite(self._loss).all())
-        if not self.engine.has_loss_scaler:
+        if self.engine.rerun_grads_are_local and not self.engine.has_loss_scaler:
             grads = self.engine.grads()  # local: the re-run ran without gradient sync
             bad = bad or (bool(grads) and not bool(torch.isfinite(grad_norm(grads))))
         self._probe.record(bad)
@@ -666,6 +667,13 @@ class Guard:
         """Make a snapshot loaded from durable storage the ring's first, sealed, snapshot
         and the live state."""
         g = tree["guard"]
+        saved_world = int(manifest["world_size"])
+        if not self.engine.grads_replicated and saved_world != self.comm.world_size:
+            raise PersistError(
+                f"snapshot {g['step']} under {url} holds FSDP shards of {saved_world} ranks; "
+                f"this run has {self.comm.world_size}. Resharding FSDP snapshots is not "
+                "supported yet: resume at the same world size"
+            )
         snap = self.ring.capture(int(g["step"]), tree)
         assert snap is not None  # the ring is empty at start
         snap.wait()
@@ -732,6 +740,22 @@ class Guard:
                 f"{problems[0]}: lower snapshot.keep, or free host memory, or raise "
                 "snapshot.max_host_memory_gb"
             )
+
+
+def _engine_for(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any
+) -> Engine:
+    """Pick the adapter from the model: FSDP2 (DTensor parameters), else plain/DDP."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):
+        raise UsageError(
+            "FSDP1 (FullyShardedDataParallel) is not supported yet: shard the model with "
+            "torch.distributed.fsdp.fully_shard (FSDP2) instead"
+        )
+    if is_fsdp2(model):
+        return FSDP2Engine(model, optimizer, scheduler, scaler)
+    return TorchEngine(model, optimizer, scheduler, scaler)
 
 
 def _available_host_bytes() -> int | None:

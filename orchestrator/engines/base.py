@@ -21,6 +21,9 @@ class Engine(ABC):
     #: True when every rank holds the full, already-reduced gradient (single process, DDP):
     #: the packed grad-norm^2 SUM is then divided by the world size instead of summed shards.
     grads_replicated: bool = True
+    #: True when gradients left by a re-run under ``local_grads()`` are this rank's own, so
+    #: an isolation re-run may judge a sub-batch by them (not only by its loss).
+    rerun_grads_are_local: bool = True
     #: Top-level snapshot keys that differ between ranks even when the rest is replicated.
     rank_local_keys: frozenset[str] = frozenset({"rng"})
 

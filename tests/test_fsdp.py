@@ -1,0 +1,86 @@
+"""FSDP2 (fully_shard, bf16 compute, fp32 reduce) on 2 CPU ranks: each rank snapshots and
+restores only its own shards. Final states are compared shard by shard, bit for bit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_bitwise_equal, final_states, kinds, train
+from orchestrator.data import GuardBatchSampler
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = ["--fsdp", "--steps", "60"]
+EXACT = {"adjust": {"lr_factor": 1.0}, "persist": {"every_steps": 10}}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("clean") / "run"
+    r = train(d, 2, *STEPS, policy={**EXACT, "quarantine": {"enabled": False}})
+    assert r.returncode == 0, r.stdout[-3000:]
+    return d
+
+
+def test_fsdp2_transient_nan_rolls_back_bit_for_bit(tmp_path: Path, clean: Path) -> None:
+    policy = {
+        **EXACT,
+        "quarantine": {"enabled": False},
+        "faults": [{"kind": "nan_grad", "step": 37, "rank": 1}],
+    }
+    d = tmp_path / "run"
+    r = train(d, 2, *STEPS, policy=policy)
+    assert r.returncode == 0, r.stdout[-3000:]
+    (inc,) = kinds(d, "incident")
+    assert inc["step"] == 37 and inc["details"]["origin_ranks"] == [1]
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final shards")
+
+
+def test_fsdp2_poison_sample_quarantined_bit_for_bit(tmp_path: Path) -> None:
+    sampler = GuardBatchSampler(1024, 8, rank=0, world_size=2, seed=7)
+    bad = sampler.global_batch_at(0, 45 * 16)[13]
+    faulty = tmp_path / "faulty"
+    r = train(
+        faulty, 2, *STEPS, policy={**EXACT, "faults": [{"kind": "poison_sample", "sample": bad}]}
+    )
+    assert r.returncode == 0, r.stdout[-3000:]
+    (q,) = kinds(faulty, "quarantine")
+    assert q["details"]["samples"] == [bad]
+    pre = tmp_path / "pre"
+    pre.mkdir()
+    (pre / "quarantine.jsonl").write_text(json.dumps({"sample": bad}) + "\n")
+    r = train(pre, 2, *STEPS, policy=EXACT)
+    assert r.returncode == 0, r.stdout[-3000:]
+    for a, b in zip(final_states(pre), final_states(faulty), strict=True):
+        assert_bitwise_equal(a, b, "final shards")
+
+
+def test_fsdp2_snapshot_holds_only_local_shards(tmp_path: Path, clean: Path) -> None:
+    full = tmp_path / "full"  # the same model and optimizer, unsharded, one process
+    r = train(full, 1, "--steps", "10", policy=EXACT, save=False)
+    assert r.returncode == 0, r.stdout[-3000:]
+    full_bytes = max(e["details"]["bytes"] for e in kinds(full, "snapshot"))
+    shard_bytes = max(e["details"]["bytes"] for e in kinds(clean, "snapshot"))
+    assert shard_bytes <= 0.6 * full_bytes, (shard_bytes, full_bytes)
+
+
+def test_fsdp2_crash_resumes_at_the_same_world_size(tmp_path: Path, clean: Path) -> None:
+    d = tmp_path / "run"
+    policy = {
+        **EXACT,
+        "quarantine": {"enabled": False},
+        "faults": [{"kind": "crash", "step": 45, "rank": 1}],
+    }
+    assert train(d, 2, *STEPS, policy=policy).returncode != 0
+    r = train(d, 2, *STEPS, policy=policy)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert kinds(d, "resume")[0]["details"]["snapshot_step"] in (30, 40)
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final shards")
+    # Resharding FSDP snapshots is not supported yet: a clear error, not a wrong state.
+    r = train(d, 1, *STEPS, policy={**EXACT, "quarantine": {"enabled": False}}, save=False)
+    assert r.returncode != 0 and "Resharding FSDP snapshots is not supported yet" in r.stdout
