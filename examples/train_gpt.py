@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fsdp", action="store_true", help="shard with FSDP2 (fully_shard), bf16 compute"
     )
+    ap.add_argument("--fsdp1", action="store_true", help="shard with FSDP1, bf16 compute")
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # entry point: ours to set
@@ -118,11 +119,21 @@ def main(argv: list[str] | None = None) -> int:
     vocab = 64
     torch.manual_seed(0)  # same initial weights on every rank
     model: nn.Module = TinyGPT(vocab, args.seq_len, args.d_model, args.layers, heads=4).to(device)
-    if args.fsdp:
+    if (args.fsdp or args.fsdp1) and world == 1:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    if args.fsdp1:
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+
+        model = FullyShardedDataParallel(
+            model,
+            device_id=device,
+            mixed_precision=MixedPrecision(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.float32
+            ),
+        )
+    elif args.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if world == 1:
-            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model.blocks:  # type: ignore[union-attr]
             fully_shard(block, mp_policy=mp)
@@ -157,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.save_final, exist_ok=True)
         torch.save(
             {
-                "model": local_shards(getattr(model, "module", model).state_dict()),
+                "model": local_shards(
+                    dict(model.named_parameters())  # FSDP1: the local flat shards
+                    if args.fsdp1
+                    else getattr(model, "module", model).state_dict()
+                ),
                 "optim": local_shards(opt.state_dict()),
                 "step": guard.global_step,
             },
@@ -182,7 +197,11 @@ def local_shards(tree):  # type: ignore[no-untyped-def]
         return {k: local_shards(v) for k, v in tree.items()}
     if isinstance(tree, list):
         return [local_shards(v) for v in tree]
-    return tree.to_local() if hasattr(tree, "to_local") else tree
+    if hasattr(tree, "to_local"):
+        tree = tree.to_local()
+    if isinstance(tree, torch.Tensor):  # plain tensors (not FlatParameter): weights_only loads
+        return torch.empty_like(tree, requires_grad=False).copy_(tree.detach())
+    return tree
 
 
 if __name__ == "__main__":

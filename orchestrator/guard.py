@@ -44,7 +44,7 @@ from orchestrator.detect import (
 )
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine, TorchEngine
-from orchestrator.engines.fsdp import FSDP2Engine, is_fsdp2
+from orchestrator.engines.fsdp import FSDP1Engine, FSDP2Engine, is_fsdp2
 from orchestrator.errors import GaveUp, OrchestratorError, PolicyError, Preempted, UsageError
 from orchestrator.faults import FaultInjector
 from orchestrator.heartbeat import Heartbeat
@@ -745,14 +745,11 @@ class Guard:
 def _engine_for(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any
 ) -> Engine:
-    """Pick the adapter from the model: FSDP2 (DTensor parameters), else plain/DDP."""
+    """Pick the adapter from the model: FSDP1, FSDP2 (DTensor parameters), else plain/DDP."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if isinstance(model, FullyShardedDataParallel):
-        raise UsageError(
-            "FSDP1 (FullyShardedDataParallel) is not supported yet: shard the model with "
-            "torch.distributed.fsdp.fully_shard (FSDP2) instead"
-        )
+        return FSDP1Engine(model, optimizer, scheduler, scaler)
     if is_fsdp2(model):
         return FSDP2Engine(model, optimizer, scheduler, scaler)
     return TorchEngine(model, optimizer, scheduler, scaler)

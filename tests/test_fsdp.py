@@ -84,3 +84,19 @@ def test_fsdp2_crash_resumes_at_the_same_world_size(tmp_path: Path, clean: Path)
     # Resharding FSDP snapshots is not supported yet: a clear error, not a wrong state.
     r = train(d, 1, *STEPS, policy={**EXACT, "quarantine": {"enabled": False}}, save=False)
     assert r.returncode != 0 and "Resharding FSDP snapshots is not supported yet" in r.stdout
+
+
+def test_fsdp1_transient_nan_rolls_back_bit_for_bit(tmp_path: Path) -> None:
+    base = {**EXACT, "quarantine": {"enabled": False}}
+    clean1 = tmp_path / "clean"
+    r = train(clean1, 2, "--fsdp1", "--steps", "60", policy=base)
+    assert r.returncode == 0, r.stdout[-3000:]
+    d = tmp_path / "run"
+    policy = {**base, "faults": [{"kind": "nan_grad", "step": 37, "rank": 1}]}
+    r = train(d, 2, "--fsdp1", "--steps", "60", policy=policy)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert [e["step"] for e in kinds(d, "incident")] == [37]
+    states = final_states(d)
+    assert states[0]["model"]["_fsdp_wrapped_module._flat_param"].dim() == 1  # local shards
+    for a, b in zip(final_states(clean1), states, strict=True):
+        assert_bitwise_equal(a, b, "final shards")

@@ -114,3 +114,45 @@ class FSDP2Engine(TorchEngine):
             if isinstance(v, torch.Tensor)
         )
         return model + optim
+
+
+class FSDP1Engine(TorchEngine):
+    """FSDP1 (``FullyShardedDataParallel``): the local shards are the FlatParameters the
+    module and the optimizer hold, so the snapshot takes ``named_parameters()`` (never
+    ``state_dict()``, which all-gathers) and the plain optimizer state (local too)."""
+
+    grads_replicated = False
+    rerun_grads_are_local = False  # as for FSDP2: no_sync would leak unsharded grads
+    rank_local_keys = FSDP2Engine.rank_local_keys
+
+    def _module_state(self) -> dict[str, torch.Tensor]:
+        named: dict[str, torch.Tensor] = dict(self.model.named_parameters())
+        named.update(self.model.named_buffers())
+        return {k: v.detach() for k, v in named.items()}
+
+    def state(self) -> dict[str, Any]:
+        return {**super().state(), "model": self._module_state()}
+
+    def restore(self, snap: Snapshot, loss_scale_factor: float) -> None:
+        saved = snap.materialize("model", clone=False)
+        with torch.no_grad():
+            for name, live in self._module_state().items():
+                live.copy_(saved[name])
+        self.optimizer.load_state_dict(snap.materialize("optim", clone=True))
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(snap.materialize("sched", clone=True))
+        if self.scaler is not None:
+            scaler_state = snap.materialize("scaler", clone=True)
+            scaler_state["scale"] = scaler_state["scale"] * loss_scale_factor
+            self.scaler.load_state_dict(scaler_state)
+        set_rng_state(snap.materialize("rng", clone=True))
+
+    def estimate_state_bytes(self) -> int:
+        model = sum(t.numel() * t.element_size() for t in self._module_state().values())
+        optim = sum(
+            v.numel() * v.element_size()
+            for s in self.optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        )
+        return model + (optim if self.optimizer.state else 2 * model)
