@@ -24,11 +24,19 @@ RESULT = "RESULT "
 __all__ = ["SEQ", "VOCAB", "SyntheticTokens", "build", "init_dist", "loss_of", "report", "spawn"]
 
 
-def build(d: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The example GPT (DDP-wrapped when distributed) and its AdamW, same on every rank."""
+def build(d: int, layers: int, fsdp: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The example GPT (FSDP2-sharded, else DDP-wrapped when distributed) and its AdamW."""
     torch.manual_seed(0)
     model: torch.nn.Module = TinyGPT(VOCAB, SEQ, d, layers, heads=4)
-    if dist.is_initialized():
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block)
+        fully_shard(model)
+    elif dist.is_initialized():
         model = DDP(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 

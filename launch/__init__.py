@@ -1,5 +1,4 @@
-"""Out-of-process half: the ``orchestrator`` command line (supervisor in a later release)."""
+"""Out-of-process half: the ``orchestrator`` command line and the supervisor.
 
-__all__ = ["main"]
-
-from launch.cli import main
+Entry point: ``launch.cli:main`` (the ``orchestrator`` console script).
+"""

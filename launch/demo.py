@@ -72,7 +72,8 @@ def story(run_dir: str) -> list[str]:
         elif k == "resume":
             out.append(f"attempt {e['attempt']}: resumed from the snapshot of step {step}")
         elif k == "run_end":
-            out.append(f"step {step}: training finished ({d['incidents']} incident(s))")
+            what = "training finished" if d.get("status") == "finished" else "workers stopped"
+            out.append(f"step {step}: {what} ({d['incidents']} incident(s) in this attempt)")
         elif k == "supervisor_exit":
             out.append(f"supervisor: {d['reason']} (exit {d['exit_code']})")
     return out

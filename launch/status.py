@@ -21,7 +21,8 @@ def render(run_dir: str) -> str:
     attempt = max((int(e.get("attempt", 0)) for e in events), default=0)
     steps = [int(e["step"]) for e in events if isinstance(e.get("step"), int)]
     last = events[-1] if events else None
-    exit_event = next((e for e in reversed(events) if e["kind"] == "supervisor_exit"), None)
+    sup = [e for e in events if e["kind"] in ("attempt_start", "supervisor_exit")]
+    exit_event = sup[-1] if sup and sup[-1]["kind"] == "supervisor_exit" else None
     quarantined = sum(
         len(e["details"].get("samples", [])) for e in events if e["kind"] == "quarantine"
     )

@@ -57,7 +57,14 @@ _BY_CODE = {
     EXIT_UNHEALTHY: UNHEALTHY,
     EXIT_PREEMPTED: PREEMPTED,
 }
-_BY_EVENT = {"gave_up": GAVE_UP, "unhealthy": UNHEALTHY, "preempted": PREEMPTED}
+# "preempting" is written before the snapshot: a worker killed while writing it was still
+# preempted (it resumes from the previous snapshot).
+_BY_EVENT = {
+    "gave_up": GAVE_UP,
+    "unhealthy": UNHEALTHY,
+    "preempted": PREEMPTED,
+    "preempting": PREEMPTED,
+}
 SUPERVISOR_RANK = -1  # the journal's rank field for the supervisor's own events
 
 
@@ -86,6 +93,8 @@ class Supervisor:
         self._wake = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
         self._term_sent_at: float | None = None
+        self._max_step: int | None = None  # highest step seen in the current attempt
+        self._pids: set[int] = set()  # every process seen under the current attempt
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> int:
@@ -100,11 +109,13 @@ class Supervisor:
     def _loop(self) -> int:
         attempt = self._next_attempt_number()
         self.journal = journal = Journal(self.run_dir, SUPERVISOR_RANK, attempt)
-        restarts = unhealthy = stalled_attempts = 0
-        best = self._best_step_so_far()
+        restarts = unhealthy = 0
+        best, stalled_attempts = self._history()
         try:
             while True:
                 journal.attempt = attempt
+                if self._signals:
+                    return self._stop(journal, 128 + signal.SIGTERM, "stopped on request", best)
                 journal.write("attempt_start", best, {"cmd": self.cmd, "host": self.host})
                 a = self._run_attempt(attempt)
                 progressed = (a.best_step is not None and a.best_step > best) or (
@@ -120,6 +131,7 @@ class Supervisor:
                         "outcome": a.outcome,
                         "best_step": a.best_step,
                         "stalled": a.stalled,
+                        "host": self.host,
                     },
                 )
                 if a.outcome == OK:
@@ -179,7 +191,7 @@ class Supervisor:
                     },
                 )
                 self._say(
-                    f"attempt {attempt} ended: {a.outcome} (exit {a.returncode}); "
+                    f"attempt {attempt} ended: {a.outcome} ({_describe(a.returncode)}); "
                     f"restart {restarts} in {delay:.1f} s"
                 )
                 if self._wake.wait(delay) and self._signals:
@@ -211,40 +223,49 @@ class Supervisor:
             ENV_ATTEMPT: str(attempt),
         }
         started = time.time()
+        self._max_step = None
+        self._pids = set()
         with open(self._log_path(attempt), "ab") as log:
-            self._proc = proc = subprocess.Popen(
-                self.cmd,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: we signal all of it
-            )
+            try:
+                self._proc = proc = subprocess.Popen(
+                    self.cmd,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its own process group: we signal all of it
+                )
+            except OSError as err:  # not found, not executable: no attempt can succeed
+                self._say(f"cannot start {self.cmd[0]!r}: {err}")
+                return Attempt(attempt, 127, CRASH, None, 0.0)
+            if self._signals:  # a signal came while we were starting it
+                self._kill(signal.SIGTERM)
+                self._term_sent_at = time.time()
             tee = threading.Thread(target=_tee, args=(proc.stdout, log), daemon=True)
             tee.start()
             stalled = self._watch(proc, attempt, started)
             rc = proc.wait()
+            self._sweep()
             tee.join(timeout=5)
         self._proc = None
         self._term_sent_at = None
-        beats = self._beats(attempt)
-        best_step = max((int(b["step"]) for b in beats), default=None)
         runtime = time.time() - started
         if stalled is not None:
-            return Attempt(attempt, rc, HANG, best_step, runtime, stalled)
-        return Attempt(attempt, rc, self._classify(rc, attempt), best_step, runtime)
+            return Attempt(attempt, rc, HANG, self._max_step, runtime, stalled)
+        return Attempt(attempt, rc, self._classify(rc, attempt), self._max_step, runtime)
 
     def _watch(
         self, proc: subprocess.Popen[bytes], attempt: int, started: float
     ) -> dict[int, int] | None:
         """Poll until the child exits; on a hang, stop it and return the stalled ranks."""
         while proc.poll() is None:
+            self._pids |= _descendants(proc.pid)  # torchrun puts workers in new sessions
             if (
                 self._term_sent_at is not None
                 and time.time() - self._term_sent_at > self.sup.grace_s
             ):
                 self._kill(signal.SIGKILL)
             stalled = self._stalled(attempt, started)
-            if stalled:
+            if stalled is not None:
                 self.journal.write(
                     "hang",
                     max(stalled.values(), default=-1),
@@ -252,12 +273,16 @@ class Supervisor:
                         "stalled_ranks": stalled,
                         "hang_timeout_s": self.sup.hang_timeout_s,
                         "host": self.host,
+                        "log": self._log_path(attempt),
                     },
                 )
-                self._say(
-                    f"hang: ranks {sorted(stalled)} made no progress for "
-                    f"{self.sup.hang_timeout_s:.0f} s (last steps {stalled}); stopping"
+                what = (
+                    f"ranks {sorted(stalled)} made no progress for "
+                    f"{self.sup.hang_timeout_s:.0f} s (last steps {stalled})"
+                    if stalled
+                    else f"no rank wrote a heartbeat within {self.sup.start_timeout_s} s"
                 )
+                self._say(f"hang: {what}; stopping (log: {self._log_path(attempt)})")
                 self._kill(signal.SIGTERM)
                 try:
                     proc.wait(self.sup.grace_s)
@@ -268,12 +293,24 @@ class Supervisor:
             self._wake.clear()
         return None
 
+    def _sweep(self) -> None:
+        """Kill workers the launcher left behind (SIGKILLed torchrun leaves orphans)."""
+        for pid in self._pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def _beats(self, attempt: int) -> list[dict[str, Any]]:
-        return [
+        beats = [
             b
             for b in read_heartbeats(self.run_dir)
             if b.get("attempt") == attempt and b.get("host") == self.host
         ]
+        steps = [int(b["step"]) for b in beats]
+        if steps:  # the highest step seen, even if a rollback lowers a rank's latest beat
+            self._max_step = max(steps + ([self._max_step] if self._max_step is not None else []))
+        return beats
 
     def _stalled(self, attempt: int, started: float) -> dict[int, int] | None:
         now = time.time()
@@ -316,28 +353,46 @@ class Supervisor:
             self._kill(signal.SIGKILL)
 
     def _kill(self, sig: int) -> None:
+        """Signal the launcher's process group and every worker under it (torchrun starts
+        its workers in sessions of their own, out of reach of the group)."""
         proc = self._proc
-        if proc is not None and proc.poll() is None:
+        if proc is None or proc.poll() is not None:
+            return
+        self._pids |= _descendants(proc.pid)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        for pid in self._pids:
             try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
                 pass
 
     def _next_attempt_number(self) -> int:
-        """Attempts continue across supervisor restarts (the same command run again)."""
-        attempts = [int(e.get("attempt", -1)) for e in read_journal(self.run_dir)]
+        """Attempts continue across supervisor restarts (the same command run again),
+        numbered from this host's supervisor events only."""
+        attempts = [
+            int(e.get("attempt", -1))
+            for e in read_journal(self.run_dir)
+            if e.get("kind") == "attempt_start" and e["details"].get("host") == self.host
+        ]
         return max(attempts, default=-1) + 1
 
-    def _best_step_so_far(self) -> int:
-        return max(
-            (
-                int(e["step"])
-                for e in read_journal(self.run_dir)
-                if e.get("kind") in ("attempt_end", "resume", "run_end")
-                and e.get("step") is not None
-            ),
-            default=-1,
-        )
+    def _history(self) -> tuple[int, int]:
+        """(best step so far, attempts in a row without progress) from this host's earlier
+        supervisors, so the crash-loop rule also holds across requeues."""
+        best, stalled = -1, 0
+        for e in read_journal(self.run_dir):
+            if e.get("kind") != "attempt_end" or e["details"].get("host", self.host) != self.host:
+                continue
+            step = e["details"].get("best_step")
+            if e["details"].get("outcome") == OK or (step is not None and step > best):
+                stalled = 0
+            else:
+                stalled += 1
+            best = max(best, step if step is not None else best)
+        return best, stalled
 
     def _log_path(self, attempt: int) -> str:
         return os.path.join(self.run_dir, "attempts", str(attempt), "output.log")
@@ -347,14 +402,50 @@ class Supervisor:
         print(f"[orchestrator] {msg}", file=sys.stderr, flush=True)
 
 
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        hint = " (the OOM killer?)" if name == "SIGKILL" else ""
+        return f"killed by {name}{hint}"
+    return f"exit {returncode}"
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live process under ``root`` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    except OSError:
+        return set()
+    out: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
 def _tee(src: IO[bytes] | None, log: IO[bytes]) -> None:
     """Copy the child's output to our stdout and its attempt log, chunk by chunk."""
     if src is None:
         return
     out = sys.stdout.buffer
     for chunk in iter(lambda: src.read1(65536), b""):  # type: ignore[attr-defined]
-        log.write(chunk)
-        log.flush()
+        try:
+            log.write(chunk)
+            log.flush()
+        except (OSError, ValueError):
+            pass  # a full disk must not stop the draining, or the workers block on print
         try:
             out.write(chunk)
             out.flush()

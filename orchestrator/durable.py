@@ -133,13 +133,24 @@ class DurableTier:
             nonce=f"{self._token}-{rollbacks}",
         )
 
-    def persist_now(self, capture: Callable[[], Snapshot | None], rollbacks: int) -> bool:
+    def persist_now(
+        self,
+        capture: Callable[[], Snapshot | None],
+        rollbacks: int,
+        timeout_s: float,
+        beat: Callable[[], None],
+    ) -> bool:
         """Outside the step protocol (end of run, preemption): wait for this rank's writer,
-        snapshot the current state, persist it and wait for that too. True if written."""
+        snapshot the current state, persist it and wait for that too, each wait bounded by
+        ``timeout_s`` and calling ``beat`` so the supervisor sees the rank alive.
+
+        Returns:
+            True if this snapshot was written (on rank 0: committed).
+        """
         if self.persister is None:
             return False
-        timeout = self.policy.commit_timeout_s
-        self.persister.wait_idle(timeout)
+        if not self._wait(timeout_s, beat):
+            return False  # the writer still reads the held snapshot: do not reuse it
         if self.held is not None:
             self.held.held = False
             self.held = None
@@ -151,7 +162,16 @@ class DurableTier:
         snap.sealed = True  # its own step is not run: finiteness is checked on load instead
         self.requested = True
         self.on_sealed(snap, rollbacks)
-        return self.persister.wait_idle(timeout) and not self.persister.failed
+        return self._wait(timeout_s, beat) and snap.step in self.persister.done
+
+    def _wait(self, timeout_s: float, beat: Callable[[], None]) -> bool:
+        assert self.persister is not None
+        deadline = time.monotonic() + timeout_s
+        while not self.persister.wait_idle(min(1.0, max(deadline - time.monotonic(), 0))):
+            beat()
+            if time.monotonic() >= deadline:
+                return False
+        return True
 
     def _part_keys(self, snap: Snapshot, writer: int) -> list[str]:
         """What this rank writes when rank ``writer`` holds the shared (replicated) state."""

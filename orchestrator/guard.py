@@ -45,7 +45,14 @@ from orchestrator.detect import (
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine, TorchEngine
 from orchestrator.engines.fsdp import FSDP1Engine, FSDP2Engine, is_fsdp2
-from orchestrator.errors import GaveUp, OrchestratorError, PolicyError, Preempted, UsageError
+from orchestrator.errors import (
+    GaveUp,
+    OrchestratorError,
+    PolicyError,
+    Preempted,
+    RunStop,
+    UsageError,
+)
 from orchestrator.faults import FaultInjector
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.incident import Incident
@@ -190,7 +197,6 @@ class Guard:
         )
         self._stop_requested = False
         self._old_handlers: dict[int, Any] = {}
-        self._install_stop_handlers()
 
         self._check_memory()
         if self.comm.rank == 0:
@@ -204,6 +210,7 @@ class Guard:
             quarantined=len(self._quarantined),
             faults=len(self.policy.faults),
         )
+        self._install_stop_handlers()  # last: a failed start must not keep them
 
     # ------------------------------------------------------------------ public API ----
     def dataloader(
@@ -382,12 +389,14 @@ class Guard:
             return self._incident(reason, gloss, gnorm)
         return self._commit(COMMIT)
 
-    def close(self) -> None:
-        """Journal the end of the run. Safe to call twice."""
+    def close(self, persist: bool = True) -> None:
+        """Finish the run: persist its final state (``persist`` and between steps only),
+        stop the writer, journal the end. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        if self._probe is None and self._open is None and self._resumed:
+        between_steps = self._phase == "idle" and self._probe is None and self._open is None
+        if persist and between_steps and self._resumed:
             self.heartbeat.beat(self.global_step, phase="closing", force=True)
             self._persist_final()
         self.durable.close()
@@ -397,6 +406,7 @@ class Guard:
                 signal.signal(sig, handler)
         self._event(
             "run_end",
+            status="finished" if persist and between_steps else "stopped",
             steps=self.global_step,
             incidents=len(self.incidents),
             rollbacks=self.rollbacks,
@@ -407,8 +417,10 @@ class Guard:
     def __enter__(self) -> Guard:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        # An error mid-step leaves no state worth persisting (and other ranks may be
+        # blocked in a collective): only a clean exit persists.
+        self.close(persist=exc is None or isinstance(exc, RunStop))
 
     # ------------------------------------------------------------------ hot path -------
     def _begin_batch(self, ids: list[int]) -> None:
@@ -616,7 +628,7 @@ class Guard:
                 why,
                 self.journal.path,
             )
-        self.close()
+        self.close(persist=False)
         raise GaveUp(f"gave up at step {self.global_step}: {why}")
 
     # ------------------------------------------------------------------ durable tier ---
@@ -647,11 +659,17 @@ class Guard:
         }
 
     def _preempt(self) -> None:
-        """Write a durable snapshot of the current state, journal, and stop."""
-        self.heartbeat.beat(self.global_step, phase="preempting", force=True)
-        written = self.durable.persist_now(self._snapshot, self.rollbacks)
+        """Write a durable snapshot of the current state, journal, and stop. The intent is
+        journaled first: a worker killed while writing was still preempted."""
+        self._event("preempting")
+        written = self.durable.persist_now(
+            self._snapshot,
+            self.rollbacks,
+            timeout_s=min(self.policy.supervisor.grace_s, self.policy.persist.commit_timeout_s),
+            beat=lambda: self.heartbeat.beat(self.global_step, phase="preempting", force=True),
+        )
         self._event("preempted", persisted=written, url=self.durable.store.url)
-        self.close()
+        self.close(persist=False)
         raise Preempted(
             f"stopped on request at step {self.global_step}"
             + (" after a durable snapshot" if written else " (no durable snapshot written)")
@@ -661,7 +679,12 @@ class Guard:
         """Persist the state the loop ended with, so a finished run can be picked up (or
         resumed at another world size) from its last step."""
         if self.global_step > self.durable.mark and self.global_step > 0:
-            self.durable.persist_now(self._snapshot, self.rollbacks)
+            self.durable.persist_now(
+                self._snapshot,
+                self.rollbacks,
+                timeout_s=self.policy.persist.commit_timeout_s,
+                beat=lambda: self.heartbeat.beat(self.global_step, phase="closing", force=True),
+            )
 
     def _restore_resumed(self, tree: dict[str, Any], manifest: dict[str, Any], url: str) -> None:
         """Make a snapshot loaded from durable storage the ring's first, sealed, snapshot

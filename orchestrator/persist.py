@@ -479,6 +479,7 @@ class Persister:
         self.extra = extra
         self.faults = faults
         self.failed = False  # a write ran out of retries (read by the training thread)
+        self.done: set[int] = set()  # steps whose write (rank 0: commit) succeeded
         self._q: queue.Queue[_Write | _Invalidate | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
@@ -595,6 +596,7 @@ class Persister:
         nbytes = self._retrying("write", snap.step)(write)
         written = time.perf_counter() - t0
         if self.rank != 0:
+            self.done.add(snap.step)
             return
         manifest = self._retrying("commit", snap.step)(
             self.store.commit,
@@ -604,6 +606,7 @@ class Persister:
             self.extra,
             self.policy.commit_timeout_s,
         )
+        self.done.add(snap.step)
         if self.faults.truncate_due(snap.step):
             self.store.truncate_one(snap.step)
         self.journal.write(
