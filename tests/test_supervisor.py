@@ -73,6 +73,32 @@ def test_hang_is_detected_and_restarted(tmp_path: Path) -> None:
     assert hang["time"] - fault["time"] <= hang_timeout + 5
     assert kinds(d, "restart")[0]["details"]["cause"] == "hang"
     assert kinds(d, "run_end")[-1]["details"]["steps"] == 50
+    assert leftovers(d) == []  # torchrun's workers live in their own sessions: none orphaned
+
+
+def leftovers(run_dir: Path) -> list[int]:
+    """Processes still running with this run directory in their environment."""
+    needle = f"ORCHESTRATOR_RUN_DIR={run_dir}".encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0"):
+            found.append(int(pid))
+    return found
+
+
+def test_no_heartbeat_within_start_timeout_is_a_hang(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    sup = {**FAST, "start_timeout_s": 2.0, "grace_s": 2.0, "crash_loop_attempts": 2}
+    r = run(launch_cmd(d, {"supervisor": sup}, sys.executable, "-c", "import time; time.sleep(60)"))
+    assert r.returncode == EXIT_CRASH_LOOP
+    hangs = kinds(d, "hang")
+    assert len(hangs) == 2 and hangs[0]["details"]["stalled_ranks"] == {}
+    assert [e["details"]["cause"] for e in kinds(d, "restart")] == ["hang"]
+    assert leftovers(d) == []
 
 
 def test_crash_loop_stops_early(tmp_path: Path) -> None:
