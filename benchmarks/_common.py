@@ -31,8 +31,7 @@ def build(d: int, layers: int, fsdp: bool = False) -> tuple[torch.nn.Module, tor
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
-        if not dist.is_initialized():
-            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        assert dist.is_initialized(), "call init_dist(always=True) first: FSDP needs a group"
         for block in model.blocks:  # type: ignore[union-attr]
             fully_shard(block)
         fully_shard(model)
@@ -46,8 +45,10 @@ def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
 
 
-def init_dist() -> None:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+def init_dist(always: bool = False) -> None:
+    """Join torchrun's group: when there are several ranks, or ``always`` (FSDP at 1 rank)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if (world > 1 or always) and not dist.is_initialized():
         dist.init_process_group("gloo")
 
 

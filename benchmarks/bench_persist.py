@@ -95,7 +95,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         keys = list(snap.skeleton) if comm.rank == 0 or args.fsdp else []
         store.write_part(snap, comm.rank, comm.world_size, keys)
         if comm.rank == 0:
-            store.commit(snap.step, comm.world_size, {}, timeout_s=60)
+            store.commit(snap.step, comm.world_size, "", {}, timeout_s=60)
 
     ours_write_s = _timed(ours_write, args.reps)
     nbytes = snap.nbytes
@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        init_dist()
+        init_dist(always=args.fsdp)
         report(measure(args))
         return
     passthrough = [a for a in sys.argv[1:] if a != "--json"]
