@@ -266,6 +266,21 @@ class DurableTier:
                 raise PersistError(f"snapshot {step}: manifest.json is unreadable")
             saved = manifest.get("ranks") or list(range(int(manifest["world_size"])))
             own = rank if rank in saved else shared_rank  # a new rank takes the shared RNG
+            sharded = not self.engine.grads_replicated
+            if sharded and int(manifest["world_size"]) != self.comm.world_size:
+                if not self.engine.can_reshard:
+                    raise PersistError(
+                        f"snapshot {step} holds shards of {manifest['world_size']} ranks and "
+                        f"{type(self.engine).__name__} cannot reshard: resume at that world size"
+                    )
+
+                def reshard() -> dict[str, Any]:
+                    self.faults.storage("read", step)
+                    store.validate_files(step, manifest, saved)
+                    parts = [store.load_part(step, r) for r in saved]
+                    return self.engine.reshard(parts, saved.index(own))
+
+                return storage_retry(self.policy)(reshard), None
 
             def read() -> dict[str, Any]:
                 self.faults.storage("read", step)

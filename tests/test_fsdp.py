@@ -4,9 +4,11 @@ restores only its own shards. Final states are compared shard by shard, bit for 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import assert_bitwise_equal, final_states, kinds, train
 from orchestrator.data import GuardBatchSampler
@@ -81,9 +83,30 @@ def test_fsdp2_crash_resumes_at_the_same_world_size(tmp_path: Path, clean: Path)
     assert kinds(d, "resume")[0]["details"]["snapshot_step"] in (30, 40)
     for a, b in zip(final_states(clean), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final shards")
-    # Resharding FSDP snapshots is not supported yet: a clear error, not a wrong state.
-    r = train(d, 1, *STEPS, policy={**EXACT, "quarantine": {"enabled": False}}, save=False)
-    assert r.returncode != 0 and "Resharding FSDP snapshots is not supported yet" in r.stdout
+
+
+def test_fsdp2_snapshot_of_two_ranks_resumes_at_one(tmp_path: Path, clean: Path) -> None:
+    """The final durable snapshot of the 2-rank run, loaded by 1 rank: every shard lands
+    where it belongs (the 1-rank state is the 2 shards concatenated), and training goes on."""
+    d = tmp_path / "run"
+    shutil.copytree(clean, d)
+    (d / "final").rename(d / "final-2ranks")
+    two = [torch.load(f, weights_only=True) for f in sorted((d / "final-2ranks").glob("rank*.pt"))]
+    r = train(d, 1, *STEPS, policy={**EXACT, "quarantine": {"enabled": False}})
+    assert r.returncode == 0, r.stdout[-3000:]
+    resume = kinds(d, "resume")[-1]["details"]
+    assert (resume["snapshot_step"], resume["saved_world_size"], resume["world_size"]) == (60, 2, 1)
+    (one,) = final_states(d)
+    for name, full in one["model"].items():
+        assert_bitwise_equal(full, torch.cat([t["model"][name] for t in two]), name)
+    for index, entries in one["optim"]["state"].items():
+        for key, value in entries.items():
+            parts = [t["optim"]["state"][index][key] for t in two]
+            want = parts[0] if value.dim() == 0 else torch.cat(parts)
+            assert_bitwise_equal(value, want, f"optim {index} {key}")
+    r = train(d, 1, "--fsdp", "--steps", "70", policy=EXACT, save=False)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert kinds(d, "run_end")[-1]["details"]["steps"] == 70
 
 
 def test_fsdp1_transient_nan_rolls_back_bit_for_bit(tmp_path: Path) -> None:

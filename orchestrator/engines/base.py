@@ -61,6 +61,14 @@ class Engine(ABC):
         """Bytes one snapshot will take on this rank, including optimizer state that a lazy
         optimizer has not created yet."""
 
+    #: A durable snapshot of this engine's sharded state can be loaded at another world size.
+    can_reshard: bool = False
+
+    def reshard(self, parts: list[dict[str, Any]], own: int) -> dict[str, Any]:
+        """This rank's state from every saved rank's part (``parts[own]``: the part whose
+        per-rank values, such as RNG, this rank takes)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reshard a snapshot")
+
     @property
     def has_loss_scaler(self) -> bool:
         """With a dynamic loss scaler, gradient overflow is the scaler's business (it skips

@@ -14,11 +14,29 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from orchestrator.engines.torch_native import TorchEngine
 from orchestrator.rng import rng_state, set_rng_state
 from orchestrator.snapshot import Snapshot
+
+
+def _layout(model: dict[str, Any], optim: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    def meta(t: DTensor) -> dict[str, Any]:
+        if len(t.placements) != 1 or not isinstance(t.placements[0], Shard) or t.placements[0].dim:
+            raise NotImplementedError(
+                f"only dim-0 sharding on a 1-D mesh is snapshotted, got {t.placements}"
+            )
+        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return {"shape": list(t.shape), "offset": int(offset[0])}
+
+    out = {f"model/{k}": meta(v) for k, v in model.items() if isinstance(v, DTensor)}
+    for index, entries in optim["state"].items():
+        for key, v in entries.items():
+            if isinstance(v, DTensor):
+                out[f"optim/{index}/{key}"] = meta(v)
+    return out
 
 
 def is_fsdp2(model: torch.nn.Module) -> bool:
@@ -44,7 +62,7 @@ class FSDP2Engine(TorchEngine):
     # Synced gradients mix the ranks, so re-runs are judged by the local loss alone.
     rerun_grads_are_local = False
     #: Every part of the state is this rank's own: each rank persists all of it.
-    rank_local_keys = frozenset({"model", "optim", "sched", "scaler", "rng", "guard"})
+    rank_local_keys = frozenset({"model", "optim", "sched", "scaler", "rng", "guard", "layout"})
 
     def poison_grad(self) -> None:
         for p in self._params():
@@ -59,14 +77,52 @@ class FSDP2Engine(TorchEngine):
             self._unscaled = True
         return [_local(p.grad) for p in self._params() if p.grad is not None]
 
+    can_reshard = True
+
     def state(self) -> dict[str, Any]:
+        model, optim = self.core.state_dict(), self.optimizer.state_dict()
         return {
-            "model": _locals(self.core.state_dict()),
-            "optim": _locals(self.optimizer.state_dict()),
+            "model": _locals(model),
+            "optim": _locals(optim),
             "sched": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "rng": rng_state(),
+            # Where each local shard sits in its global tensor: plain values, so a durable
+            # snapshot can be resharded to another world size without DTensor metadata.
+            "layout": _layout(model, optim),
         }
+
+    def reshard(self, parts: list[dict[str, Any]], own: int) -> dict[str, Any]:
+        """This rank's state from the parts of a snapshot taken at another world size:
+        each sharded tensor is reassembled from every part's shard and cut to this rank's
+        shard of the live model. Only dim-0 sharding on a 1-D mesh (FSDP2's default)."""
+        tree = parts[own]
+        layouts = [p["layout"] for p in parts]
+
+        def rebuild(path: str, shards: list[torch.Tensor], live: DTensor) -> torch.Tensor:
+            metas = [lay[path] for lay in layouts]
+            full = torch.empty(metas[0]["shape"], dtype=shards[0].dtype)
+            for shard, meta in zip(shards, metas, strict=True):
+                full[meta["offset"] : meta["offset"] + shard.shape[0]] = shard
+            shape, offset = compute_local_shape_and_global_offset(
+                full.shape, live.device_mesh, live.placements
+            )
+            return full[offset[0] : offset[0] + shape[0]].clone()
+
+        for name, live in self.core.state_dict().items():
+            if isinstance(live, DTensor):
+                tree["model"][name] = rebuild(
+                    f"model/{name}", [p["model"][name] for p in parts], live
+                )
+        params = self._params()
+        for index, entries in tree["optim"]["state"].items():
+            p = params[int(index)]
+            for key in list(entries):
+                path = f"optim/{index}/{key}"
+                if isinstance(p, DTensor) and path in layouts[0]:
+                    shards = [part["optim"]["state"][index][key] for part in parts]
+                    entries[key] = rebuild(path, shards, p)
+        return tree
 
     def restore(self, snap: Snapshot, loss_scale_factor: float) -> None:
         with torch.no_grad():
