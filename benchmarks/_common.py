@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,7 @@ def report(result: dict[str, Any]) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(RESULT + json.dumps(result), flush=True)
     if dist.is_initialized():
+        dist.barrier()  # nobody tears the group down while a peer still talks on it
         dist.destroy_process_group()
 
 
@@ -70,8 +72,12 @@ def spawn(script: str, nproc: int, args: list[str]) -> dict[str, Any]:
            script, "--worker", *args]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
+        fd, path = tempfile.mkstemp(prefix="bench-failure-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(out.stdout + out.stderr)
         raise RuntimeError(
-            f"{script} failed under torchrun:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+            f"{script} failed under torchrun (exit {out.returncode}); full output: {path}\n"
+            f"{out.stderr[-2000:]}"
         )
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith(RESULT))
     result: dict[str, Any] = json.loads(line[len(RESULT) :])

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 from _common import SEQ, VOCAB, SyntheticTokens, build, init_dist, loss_of, report, spawn
 
 from orchestrator import Guard, parse_policy
@@ -56,17 +58,22 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     ds = SyntheticTokens(100_000, SEQ, VOCAB)
     plain_loader = torch.utils.data.DataLoader(ds, batch_size=args.batch_size, shuffle=True)
     # No snapshots inside the timed guard loop: the check is measured alone here.
-    policy = parse_policy({"snapshot": {"every_steps": 1_000_000}})
-    with tempfile.TemporaryDirectory() as tmp:
-        guard = Guard(policy, model=model, optimizer=opt, run_dir=tmp)
-        loader = guard.dataloader(ds, batch_size=args.batch_size)
-        _plain_steps(model, opt, plain_loader, 3)  # warm up (lazy Adam state, allocator)
-        _guard_steps(guard, model, loader, 3)
-        plain, guarded = [], []
-        for _ in range(args.rounds):  # interleaved, so drift hits both alike
-            plain.append(_plain_steps(model, opt, plain_loader, args.steps))
-            guarded.append(_guard_steps(guard, model, loader, args.steps))
-        guard.close()
+    policy = parse_policy({"snapshot": {"every_steps": 1_000_000}, "persist": {"enabled": False}})
+    # One run directory for all ranks, removed only once every rank is done with it.
+    tmp = comm.broadcast_object(tempfile.mkdtemp(prefix="bench-guard-") if comm.rank == 0 else None)
+    guard = Guard(policy, model=model, optimizer=opt, run_dir=tmp)
+    loader = guard.dataloader(ds, batch_size=args.batch_size)
+    _plain_steps(model, opt, plain_loader, 3)  # warm up (lazy Adam state, allocator)
+    _guard_steps(guard, model, loader, 3)
+    plain, guarded = [], []
+    for _ in range(args.rounds):  # interleaved, so drift hits both alike
+        plain.append(_plain_steps(model, opt, plain_loader, args.steps))
+        guarded.append(_guard_steps(guard, model, loader, args.steps))
+    guard.close()
+    if dist.is_initialized():
+        dist.barrier()
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
     # The check in isolation: exactly what Guard.step adds on a healthy step.
     params = [p for p in model.parameters() if p.grad is None]
