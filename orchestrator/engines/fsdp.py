@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from orchestrator.engines.torch_native import TorchEngine
-from orchestrator.rng import rng_state, set_rng_state
+from orchestrator.rng import rng_state
 from orchestrator.snapshot import Snapshot
 
 
@@ -130,13 +130,7 @@ class FSDP2Engine(TorchEngine):
             for name, live in self.core.state_dict().items():
                 _local(live).copy_(saved[name])
             self._restore_optimizer(snap.materialize("optim", clone=True))
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(snap.materialize("sched", clone=True))
-        if self.scaler is not None:
-            scaler_state = snap.materialize("scaler", clone=True)
-            scaler_state["scale"] = scaler_state["scale"] * loss_scale_factor
-            self.scaler.load_state_dict(scaler_state)
-        set_rng_state(snap.materialize("rng", clone=True))
+        self._restore_rest(snap, loss_scale_factor)
 
     def _restore_optimizer(self, saved: dict[str, Any]) -> None:
         """Copy shard by shard into the live state; wrap shards as DTensors where the live
@@ -195,13 +189,7 @@ class FSDP1Engine(TorchEngine):
             for name, live in self._module_state().items():
                 live.copy_(saved[name])
         self.optimizer.load_state_dict(snap.materialize("optim", clone=True))
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(snap.materialize("sched", clone=True))
-        if self.scaler is not None:
-            scaler_state = snap.materialize("scaler", clone=True)
-            scaler_state["scale"] = scaler_state["scale"] * loss_scale_factor
-            self.scaler.load_state_dict(scaler_state)
-        set_rng_state(snap.materialize("rng", clone=True))
+        self._restore_rest(snap, loss_scale_factor)
 
     def estimate_state_bytes(self) -> int:
         model = sum(t.numel() * t.element_size() for t in self._module_state().values())

@@ -101,6 +101,11 @@ class TorchEngine(Engine):
         # the host buffers; the optimizer keeps what it is given, so it gets clones.
         self.core.load_state_dict(snap.materialize("model", clone=False))
         self.optimizer.load_state_dict(snap.materialize("optim", clone=True))
+        self._restore_rest(snap, loss_scale_factor)
+
+    def _restore_rest(self, snap: Snapshot, loss_scale_factor: float) -> None:
+        """Scheduler, loss scaler (its scale times the factor) and RNG: the same for every
+        engine built on this one."""
         if self.scheduler is not None:
             self.scheduler.load_state_dict(snap.materialize("sched", clone=True))
         if self.scaler is not None:
