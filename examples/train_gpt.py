@@ -55,8 +55,11 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int, seq_len: int, d: int, layers: int, heads: int) -> None:
+    def __init__(
+        self, vocab: int, seq_len: int, d: int, layers: int, heads: int, ckpt: bool = False
+    ) -> None:
         super().__init__()
+        self.ckpt = ckpt  # activation checkpointing: recompute each block in backward
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.zeros(seq_len, d))
         self.blocks = nn.ModuleList(Block(d, heads, dropout=0.1) for _ in range(layers))
@@ -67,8 +70,12 @@ class TinyGPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos[: idx.shape[1]]
+        mask = self.mask[: idx.shape[1], : idx.shape[1]]
         for block in self.blocks:
-            x = block(x, self.mask[: idx.shape[1], : idx.shape[1]])
+            if self.ckpt and self.training:
+                x = torch.utils.checkpoint.checkpoint(block, x, mask, use_reentrant=False)
+            else:
+                x = block(x, mask)
         return self.head(self.ln(x))
 
 
@@ -101,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         "--fsdp", action="store_true", help="shard with FSDP2 (fully_shard), bf16 compute"
     )
     ap.add_argument("--fsdp1", action="store_true", help="shard with FSDP1, bf16 compute")
+    ap.add_argument("--act-ckpt", action="store_true", help="activation checkpointing")
     args = ap.parse_args(argv)
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # entry point: ours to set
@@ -118,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
 
     vocab = 64
     torch.manual_seed(0)  # same initial weights on every rank
-    model: nn.Module = TinyGPT(vocab, args.seq_len, args.d_model, args.layers, heads=4).to(device)
+    model: nn.Module = TinyGPT(
+        vocab, args.seq_len, args.d_model, args.layers, heads=4, ckpt=args.act_ckpt
+    ).to(device)
     if (args.fsdp or args.fsdp1) and world == 1:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     if args.fsdp1:

@@ -27,14 +27,17 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def test_fsdp2_transient_nan_rolls_back_bit_for_bit(tmp_path: Path, clean: Path) -> None:
+@pytest.mark.parametrize("extra", [[], ["--act-ckpt"]], ids=["plain", "activation-ckpt"])
+def test_fsdp2_transient_nan_rolls_back_bit_for_bit(
+    tmp_path: Path, clean: Path, extra: list[str]
+) -> None:
     policy = {
         **EXACT,
         "quarantine": {"enabled": False},
         "faults": [{"kind": "nan_grad", "step": 37, "rank": 1}],
     }
     d = tmp_path / "run"
-    r = train(d, 2, *STEPS, policy=policy)
+    r = train(d, 2, *STEPS, *extra, policy=policy)
     assert r.returncode == 0, r.stdout[-3000:]
     (inc,) = kinds(d, "incident")
     assert inc["step"] == 37 and inc["details"]["origin_ranks"] == [1]
