@@ -56,6 +56,7 @@ from orchestrator.errors import (
 from orchestrator.faults import FaultInjector
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.incident import Incident
+from orchestrator.isolate import Bisection
 from orchestrator.journal import Journal
 from orchestrator.persist import PersistError, storage_retry
 from orchestrator.policy import Policy, load_policy
@@ -69,49 +70,6 @@ ENV_ATTEMPT = "ORCHESTRATOR_ATTEMPT"
 
 # Outcomes of Guard.step.
 COMMIT, INCIDENT, PROBE, OVERFLOW_SKIP = "commit", "incident", "probe", "overflow_skip"
-
-
-class _Bisection:
-    """Adaptive group testing over one rank's suspect samples.
-
-    A bad group is split in halves; a bad singleton is a culprit; a bad group whose halves
-    are both clean (the samples only fail together) is quarantined whole.
-    """
-
-    def __init__(self, suspects: list[int], filler: list[int]) -> None:
-        self.queue: list[tuple[list[int], dict[str, Any] | None]] = (
-            [(suspects, None)] if suspects else []
-        )
-        self.filler = filler
-        self.culprits: list[int] = []
-        self.reproduced = False
-        self.current: tuple[list[int], dict[str, Any] | None] | None = None
-
-    def next_group(self) -> list[int]:
-        self.current = self.queue.pop(0) if self.queue else None
-        return self.current[0] if self.current is not None else self.filler
-
-    def record(self, bad: bool) -> None:
-        if self.current is None:
-            return  # a filler pass, run only to keep the ranks in lockstep
-        ids, parent = self.current
-        if parent is None:
-            self.reproduced = bad
-        if bad and len(ids) == 1:
-            self.culprits += ids
-        elif bad:
-            node = {"ids": ids, "pending": 2, "bad": 0}
-            half = len(ids) // 2
-            self.queue += [(ids[:half], node), (ids[half:], node)]
-        if parent is not None:
-            parent["pending"] -= 1
-            parent["bad"] += int(bad)
-            if parent["pending"] == 0 and parent["bad"] == 0:
-                self.culprits += parent["ids"]
-
-    @property
-    def pending(self) -> bool:
-        return bool(self.queue)
 
 
 class Guard:
@@ -173,7 +131,7 @@ class Guard:
         self._cur_ids: list[int] = []
         self._phase = "idle"  # idle -> batch -> backward -> stepped
         self._loss: torch.Tensor | None = None
-        self._probe: _Bisection | None = None
+        self._probe: Bisection | None = None
         self._probe_steps = 0
         self._open: Incident | None = None
         self._reset_iter = True
@@ -499,7 +457,7 @@ class Guard:
         q = self.policy.quarantine
         if q.enabled and q.scope == "step" and q.isolate and reason.startswith("nonfinite"):
             suspects = list(self._cur_ids) if self.comm.rank in origin else []
-            self._probe = _Bisection(suspects, filler=self._cur_ids[:1])
+            self._probe = Bisection(suspects, filler=self._cur_ids[:1])
             self._probe_steps = 0
             self.engine.abandon()
             return INCIDENT

@@ -12,7 +12,7 @@ from orchestrator.adjust import LRAdjuster
 from orchestrator.data import GuardBatchSampler
 from orchestrator.detect import SpikeDetector
 from orchestrator.errors import OrchestratorError
-from orchestrator.guard import _Bisection
+from orchestrator.isolate import Bisection
 from orchestrator.journal import Journal, read_journal
 from orchestrator.policy import AdjustPolicy, SpikePolicy
 from orchestrator.quarantine import Ledger
@@ -145,7 +145,7 @@ def test_adjuster_cut_hold_ramp_and_compounding() -> None:
 
 # --- bisection ----------------------------------------------------------------------------
 def _bisect(suspects: list[int], bad: set[int], together: bool = False) -> tuple[list[int], int]:
-    b = _Bisection(suspects, filler=suspects[:1])
+    b = Bisection(suspects, filler=suspects[:1])
     runs = 0
     while True:
         group = b.next_group()
