@@ -22,7 +22,17 @@ from train_gpt import SyntheticTokens, TinyGPT
 VOCAB, SEQ = 256, 64
 RESULT = "RESULT "
 
-__all__ = ["SEQ", "VOCAB", "SyntheticTokens", "build", "init_dist", "loss_of", "report", "spawn"]
+__all__ = [
+    "SEQ",
+    "VOCAB",
+    "SyntheticTokens",
+    "build",
+    "init_dist",
+    "loss_of",
+    "report",
+    "run_or_collect",
+    "spawn",
+]
 
 
 def build(d: int, layers: int, fsdp: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -82,3 +92,22 @@ def spawn(script: str, nproc: int, args: list[str]) -> dict[str, Any]:
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith(RESULT))
     result: dict[str, Any] = json.loads(line[len(RESULT) :])
     return result
+
+
+def run_or_collect(
+    script: str, args: Any, measure: Any, always_dist: bool = False
+) -> list[dict[str, Any]] | None:
+    """The shared ``main`` of the benchmarks. As a torchrun worker: measure and report, and
+    return None. Otherwise: run the script at 1 and 2 ranks and return rank 0's results,
+    or print them as JSON lines (``--json``) and return None."""
+    if args.worker:
+        init_dist(always=always_dist)
+        report(measure(args))
+        return None
+    passthrough = [a for a in sys.argv[1:] if a != "--json"]
+    results = [spawn(script, nproc, passthrough) for nproc in (1, 2)]
+    if args.json:
+        for r in results:
+            print(json.dumps(r))
+        return None
+    return results

@@ -14,16 +14,21 @@ Reports, in one run:
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-from _common import SEQ, VOCAB, SyntheticTokens, build, init_dist, loss_of, report, spawn
+from _common import (
+    SEQ,
+    VOCAB,
+    SyntheticTokens,
+    build,
+    loss_of,
+    run_or_collect,
+)
 
 from orchestrator import Guard, parse_policy
 from orchestrator.comm import Comm
@@ -76,11 +81,9 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         shutil.rmtree(tmp, ignore_errors=True)
 
     # The check in isolation: exactly what Guard.step adds on a healthy step.
-    params = [p for p in model.parameters() if p.grad is None]
     loss = loss_of(model, next(iter(plain_loader)))
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    del params
     reps = 200
     comm.all_reduce_sum_(pack_local(loss, grads, True)).tolist()
     t0 = time.perf_counter()
@@ -133,15 +136,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        init_dist()
-        report(measure(args))
-        return
-    passthrough = [a for a in sys.argv[1:] if a != "--json"]
-    results = [spawn(__file__, nproc, passthrough) for nproc in (1, 2)]
-    if args.json:
-        for r in results:
-            print(json.dumps(r))
+    results = run_or_collect(__file__, args, measure, always_dist=False)
+    if results is None:
         return
     print(f"{'ranks':>5} {'step ms':>8} {'check ms':>9} {'check %':>8} {'e2e %':>7} "
           f"{'snap MB':>8} {'snap ms':>8} {'memcpy ms':>9} {'snap/memcpy':>11}")  # fmt: skip

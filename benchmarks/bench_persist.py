@@ -14,11 +14,9 @@ Per rank, on the example GPT's model + AdamW state, in one run, at 1 and 2 ranks
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from typing import Any
@@ -26,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import SEQ, VOCAB, build, init_dist, loss_of, report, spawn
+from _common import SEQ, VOCAB, build, loss_of, run_or_collect
 
 from orchestrator.comm import Comm
 from orchestrator.persist import DurableStore
@@ -175,15 +173,8 @@ def main() -> None:
     ap.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.worker:
-        init_dist(always=args.fsdp)
-        report(measure(args))
-        return
-    passthrough = [a for a in sys.argv[1:] if a != "--json"]
-    results = [spawn(__file__, nproc, passthrough) for nproc in (1, 2)]
-    if args.json:
-        for r in results:
-            print(json.dumps(r))
+    results = run_or_collect(__file__, args, measure, always_dist=args.fsdp)
+    if results is None:
         return
     print(f"{'ranks':>5} {'MB/rank':>7} {'ours ms':>8} {'torch.save':>10} {'dcp.save':>9} "
           f"{'async_save':>10} {'write MB/s':>10} {'raw MB/s':>9} {'write/raw':>9}")  # fmt: skip

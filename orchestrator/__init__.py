@@ -4,13 +4,16 @@
 """
 
 from orchestrator.errors import (
+    EXIT_CRASH_LOOP,
     EXIT_GAVE_UP,
     EXIT_OK,
     EXIT_PREEMPTED,
+    EXIT_RESTARTS_EXHAUSTED,
     EXIT_UNHEALTHY,
     GaveUp,
     OrchestratorError,
     PolicyError,
+    Preempted,
     RunStop,
     UsageError,
 )
@@ -20,9 +23,11 @@ from orchestrator.journal import read_journal
 from orchestrator.policy import Policy, load_policy, parse_policy
 
 __all__ = [
+    "EXIT_CRASH_LOOP",
     "EXIT_GAVE_UP",
     "EXIT_OK",
     "EXIT_PREEMPTED",
+    "EXIT_RESTARTS_EXHAUSTED",
     "EXIT_UNHEALTHY",
     "GaveUp",
     "Guard",
@@ -30,6 +35,7 @@ __all__ = [
     "OrchestratorError",
     "Policy",
     "PolicyError",
+    "Preempted",
     "RunStop",
     "UsageError",
     "load_policy",

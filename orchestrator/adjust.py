@@ -18,10 +18,6 @@ class LRAdjuster:
         self.cut = 1.0  # multiplier right after the latest incident
         self.since = 0  # committed steps since that incident
 
-    @property
-    def active(self) -> bool:
-        return self.cut < 1.0 and self.multiplier() < 1.0
-
     def multiplier(self) -> float:
         p = self.policy
         if self.cut >= 1.0 or self.since < p.hold_steps:

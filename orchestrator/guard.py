@@ -124,7 +124,6 @@ class Guard:
         self.incidents: list[Incident] = []
         self.rollbacks = 0
         self._sampler: GuardBatchSampler | None = None
-        self._loader: DataLoader[Any] | None = None
         self._pos = (0, 0)  # (epoch, offset in the unfiltered order) of the next batch
         self._next_offset = 0  # where the batch being run ends
         self._recent: deque[tuple[int, int, int]] = deque(maxlen=max(q.window_steps, 0) + 1)
@@ -201,14 +200,13 @@ class Guard:
         # is made. Without its own generator that draw comes from the global torch RNG, and
         # the extra iterator made after a rollback would shift every later dropout mask.
         loader_kwargs.setdefault("generator", torch.Generator())
-        self._loader = DataLoader(
+        return DataLoader(
             dataset,
             batch_sampler=self._sampler,
             collate_fn=collate_fn,
             num_workers=num_workers,
             **loader_kwargs,
         )
-        return self._loader
 
     def batches(self, loader: DataLoader[Any], max_steps: int) -> Iterator[Any]:
         """Yield batches until ``max_steps`` steps are committed, rewinding after rollbacks.
@@ -414,7 +412,11 @@ class Guard:
         snap = self.ring.capture(self.global_step, state)
         if snap is None:
             # Every slot is either the newest sealed one or still being persisted.
-            self._event("snapshot_skipped", reason="all ring slots busy (raise snapshot.keep)")
+            self._event(
+                "snapshot_skipped",
+                reason="every ring slot holds the newest sealed snapshot or one still being "
+                "written to durable storage; raise snapshot.keep (3 when persisting often)",
+            )
             return None
         if initial:
             # The starting state is trusted as is: rolling back to it is a restart.

@@ -198,9 +198,6 @@ class SnapshotRing:
             return old_enough[-1], True
         return (sealed[0], False) if sealed else (None, False)
 
-    def host_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for bufs in self._buffers for b in bufs)
-
 
 class _maybe_stream:
     def __init__(self, stream: Any) -> None:

@@ -11,6 +11,7 @@ from inproc import Regression, events, train
 
 from conftest import assert_bitwise_equal
 from orchestrator import Guard, PolicyError, UsageError, parse_policy
+from orchestrator.data import GuardBatchSampler
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,17 +42,20 @@ def test_api_misuse_says_what_to_do(tmp_path: Path) -> None:
     model = torch.nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = Guard(parse_policy({}), model=model, optimizer=opt, run_dir=str(tmp_path))
-    loader = guard.dataloader(Regression(), batch_size=4)
-    batches = guard.batches(loader, max_steps=5)
-    x, y = next(batches)
-    loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
-    with pytest.raises(UsageError, match=r"needs guard\.backward"):
-        guard.step(loss)
-    guard.backward(loss)
-    with pytest.raises(UsageError, match="gradient accumulation is not supported"):
+    try:
+        loader = guard.dataloader(Regression(), batch_size=4)
+        batches = guard.batches(loader, max_steps=5)
+        x, y = next(batches)
+        loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+        with pytest.raises(UsageError, match=r"needs guard\.backward"):
+            guard.step(loss)
         guard.backward(loss)
-    with pytest.raises(UsageError, match=r"DataLoader returned by guard\.dataloader"):
-        next(guard.batches(torch.utils.data.DataLoader(Regression()), max_steps=1))
+        with pytest.raises(UsageError, match="gradient accumulation is not supported"):
+            guard.backward(loss)
+        with pytest.raises(UsageError, match=r"DataLoader returned by guard\.dataloader"):
+            next(guard.batches(torch.utils.data.DataLoader(Regression()), max_steps=1))
+    finally:
+        guard.close(persist=False)  # and give the test process its signal handlers back
 
 
 def test_ring_that_cannot_fit_fails_at_start(tmp_path: Path) -> None:
@@ -63,15 +67,8 @@ def test_ring_that_cannot_fit_fails_at_start(tmp_path: Path) -> None:
 
 
 def test_spike_is_an_incident_and_quarantines_the_step(tmp_path: Path) -> None:
-    probe = Guard(
-        parse_policy({}),
-        model=torch.nn.Linear(8, 1),
-        optimizer=torch.optim.SGD(torch.nn.Linear(8, 1).parameters(), lr=0.1),
-        run_dir=str(tmp_path / "probe"),
-    )
-    probe.dataloader(Regression(), batch_size=8, seed=1)
-    assert probe._sampler is not None
-    step_ids = probe._sampler.batch_at(0, 25 * 8)[0]
+    # The samples of step 25: what guard.dataloader(Regression(), batch_size=8, seed=1) yields.
+    step_ids = GuardBatchSampler(256, 8, rank=0, world_size=1, seed=1).batch_at(0, 25 * 8)[0]
     policy = {
         "detect": {"spike": {"enabled": True, "window": 16, "min_history": 8, "zscore": 8.0}},
         "adjust": {"lr_factor": 0.5},

@@ -18,25 +18,21 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from orchestrator.engines.torch_native import TorchEngine
+from orchestrator.errors import UsageError
 from orchestrator.rng import rng_state
 from orchestrator.snapshot import Snapshot
 
 
-def _layout(model: dict[str, Any], optim: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    def meta(t: DTensor) -> dict[str, Any]:
-        if len(t.placements) != 1 or not isinstance(t.placements[0], Shard) or t.placements[0].dim:
-            raise NotImplementedError(
-                f"only dim-0 sharding on a 1-D mesh is snapshotted, got {t.placements}"
-            )
-        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return {"shape": list(t.shape), "offset": int(offset[0])}
-
-    out = {f"model/{k}": meta(v) for k, v in model.items() if isinstance(v, DTensor)}
-    for index, entries in optim["state"].items():
-        for key, v in entries.items():
-            if isinstance(v, DTensor):
-                out[f"optim/{index}/{key}"] = meta(v)
-    return out
+def _shard_meta(name: str, t: DTensor) -> dict[str, Any]:
+    """Where this rank's shard sits in the global tensor (dim-0 sharding on a 1-D mesh)."""
+    if len(t.placements) != 1 or not isinstance(t.placements[0], Shard) or t.placements[0].dim:
+        raise UsageError(
+            f"parameter {name} is sharded as {t.placements}: the Guard snapshots FSDP2 models "
+            "sharded on dim 0 over a 1-D mesh (fully_shard's default); HSDP / 2-D meshes are "
+            "not supported yet"
+        )
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return {"shape": list(t.shape), "offset": int(offset[0])}
 
 
 def is_fsdp2(model: torch.nn.Module) -> bool:
@@ -64,6 +60,21 @@ class FSDP2Engine(TorchEngine):
     #: Every part of the state is this rank's own: each rank persists all of it.
     rank_local_keys = frozenset({"model", "optim", "sched", "scaler", "rng", "guard", "layout"})
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The shard layout is fixed by the model's sharding: computed (and checked) once at
+        # start, saved with every snapshot as plain values so a durable snapshot can be
+        # resharded to another world size. Optimizer state shards like its parameter.
+        names = {id(p): n for n, p in self.core.named_parameters()}
+        self._layout: dict[str, Any] = {
+            "params": {
+                n: _shard_meta(n, t)
+                for n, t in self.core.state_dict().items()
+                if isinstance(t, DTensor)
+            },
+            "optim_params": [names.get(id(p)) for p in self._params()],
+        }
+
     def poison_grad(self) -> None:
         for p in self._params():
             if p.grad is not None:
@@ -80,16 +91,13 @@ class FSDP2Engine(TorchEngine):
     can_reshard = True
 
     def state(self) -> dict[str, Any]:
-        model, optim = self.core.state_dict(), self.optimizer.state_dict()
         return {
-            "model": _locals(model),
-            "optim": _locals(optim),
+            "model": _locals(self.core.state_dict()),
+            "optim": _locals(self.optimizer.state_dict()),
             "sched": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "rng": rng_state(),
-            # Where each local shard sits in its global tensor: plain values, so a durable
-            # snapshot can be resharded to another world size without DTensor metadata.
-            "layout": _layout(model, optim),
+            "layout": self._layout,
         }
 
     def reshard(self, parts: list[dict[str, Any]], own: int) -> dict[str, Any]:
@@ -97,10 +105,10 @@ class FSDP2Engine(TorchEngine):
         each sharded tensor is reassembled from every part's shard and cut to this rank's
         shard of the live model. Only dim-0 sharding on a 1-D mesh (FSDP2's default)."""
         tree = parts[own]
-        layouts = [p["layout"] for p in parts]
+        layouts = [p["layout"]["params"] for p in parts]
 
-        def rebuild(path: str, shards: list[torch.Tensor], live: DTensor) -> torch.Tensor:
-            metas = [lay[path] for lay in layouts]
+        def rebuild(name: str, shards: list[torch.Tensor], live: DTensor) -> torch.Tensor:
+            metas = [lay[name] for lay in layouts]
             full = torch.empty(metas[0]["shape"], dtype=shards[0].dtype)
             for shard, meta in zip(shards, metas, strict=True):
                 full[meta["offset"] : meta["offset"] + shard.shape[0]] = shard
@@ -111,17 +119,15 @@ class FSDP2Engine(TorchEngine):
 
         for name, live in self.core.state_dict().items():
             if isinstance(live, DTensor):
-                tree["model"][name] = rebuild(
-                    f"model/{name}", [p["model"][name] for p in parts], live
-                )
+                tree["model"][name] = rebuild(name, [p["model"][name] for p in parts], live)
         params = self._params()
+        owners = self._layout["optim_params"]
         for index, entries in tree["optim"]["state"].items():
-            p = params[int(index)]
-            for key in list(entries):
-                path = f"optim/{index}/{key}"
-                if isinstance(p, DTensor) and path in layouts[0]:
+            p, name = params[int(index)], owners[int(index)]
+            for key, value in entries.items():
+                if isinstance(p, DTensor) and name is not None and value.dim() > 0:
                     shards = [part["optim"]["state"][index][key] for part in parts]
-                    entries[key] = rebuild(path, shards, p)
+                    entries[key] = rebuild(name, shards, p)
         return tree
 
     def restore(self, snap: Snapshot, loss_scale_factor: float) -> None:
