@@ -131,6 +131,8 @@ class DurableTier:
             self._part_keys(snap, writer=0),
             self._part_keys(snap, writer=self.local.leader if self.local else 0),
             nonce=f"{self._token}-{rollbacks}",
+            native=self.engine.native_files(snap.step),
+            texts=self.engine.native_texts(snap.step),
         )
 
     def persist_now(
@@ -175,7 +177,7 @@ class DurableTier:
 
     def _part_keys(self, snap: Snapshot, writer: int) -> list[str]:
         """What this rank writes when rank ``writer`` holds the shared (replicated) state."""
-        if self.comm.rank == writer or not self.engine.grads_replicated:
+        if self.comm.rank == writer or not self.engine.state_replicated:
             return list(snap.skeleton)
         return sorted(self.engine.rank_local_keys)
 
@@ -266,7 +268,7 @@ class DurableTier:
                 raise PersistError(f"snapshot {step}: manifest.json is unreadable")
             saved = manifest.get("ranks") or list(range(int(manifest["world_size"])))
             own = rank if rank in saved else shared_rank  # a new rank takes the shared RNG
-            sharded = not self.engine.grads_replicated
+            sharded = not self.engine.state_replicated
             if sharded and int(manifest["world_size"]) != self.comm.world_size:
                 if not self.engine.can_reshard:
                     raise PersistError(
@@ -282,11 +284,14 @@ class DurableTier:
 
                 return storage_retry(self.policy)(reshard), None
 
+            # Sharded state: each rank reads its own part only.
+            first = own if sharded else shared_rank
+
             def read() -> dict[str, Any]:
                 self.faults.storage("read", step)
-                store.validate_files(step, manifest, sorted({shared_rank, own}))
-                tree = store.load_part(step, shared_rank)
-                if own != shared_rank:
+                store.validate_files(step, manifest, sorted({first, own}))
+                tree = store.load_part(step, first)
+                if own != first:
                     tree.update(store.load_part(step, own))
                 return tree
 

@@ -70,6 +70,7 @@ ENV_ATTEMPT = "ORCHESTRATOR_ATTEMPT"
 
 # Outcomes of Guard.step.
 COMMIT, INCIDENT, PROBE, OVERFLOW_SKIP = "commit", "incident", "probe", "overflow_skip"
+ACCUMULATE = "accumulate"
 
 
 class Guard:
@@ -79,8 +80,11 @@ class Guard:
         policy: a :class:`Policy` (``None``: :func:`load_policy`, i.e. $ORCHESTRATOR_POLICY or
             the defaults).
         model, optimizer, scheduler, scaler: the torch objects of the loop. ``model`` may be
-            wrapped in ``DistributedDataParallel``. The Guard steps the optimizer, the
-            scheduler and the scaler; user code must not.
+            wrapped in ``DistributedDataParallel`` or FSDP. The Guard steps the optimizer,
+            the scheduler and the scaler; user code must not.
+        engine: instead of the above, the engine ``deepspeed.initialize`` returned (ZeRO
+            stage 1, 2 or 3). ``guard.backward`` calls ``engine.backward`` and
+            ``guard.step`` calls ``engine.step``; user code calls neither.
         process_group: the group whose ranks decide together (default: the world group when
             torch.distributed is initialized, else single-process).
         run_dir: journal, ledger and fault memory; default $ORCHESTRATOR_RUN_DIR, else a fresh
@@ -94,16 +98,17 @@ class Guard:
         self,
         policy: Policy | None = None,
         *,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
         scaler: torch.amp.GradScaler | None = None,
+        engine: Any = None,
         process_group: dist.ProcessGroup | None = None,
         run_dir: str | None = None,
     ) -> None:
         self.policy = policy if policy is not None else load_policy()
         self.comm = Comm(process_group)
-        self.engine: Engine = _engine_for(model, optimizer, scheduler, scaler)
+        self.engine: Engine = _engine_for(model, optimizer, scheduler, scaler, engine)
         self.run_dir = self._resolve_run_dir(run_dir)
         self.attempt = int(os.environ.get(ENV_ATTEMPT, "0"))
         self.journal = Journal(self.run_dir, self.comm.global_rank, self.attempt)
@@ -126,8 +131,16 @@ class Guard:
         self._sampler: GuardBatchSampler | None = None
         self._pos = (0, 0)  # (epoch, offset in the unfiltered order) of the next batch
         self._next_offset = 0  # where the batch being run ends
-        self._recent: deque[tuple[int, int, int]] = deque(maxlen=max(q.window_steps, 0) + 1)
-        self._cur_ids: list[int] = []
+        # (step, positions of its batches) of the last committed steps, for window quarantine
+        self._recent: deque[tuple[int, list[tuple[int, int]]]] = deque(
+            maxlen=max(q.window_steps, 0) + 1
+        )
+        self._cur_ids: list[int] = []  # sample ids of the batch being run
+        # The step being run: its micro-batches so far (gradient accumulation), their
+        # positions and sample ids.
+        self._micro = 0
+        self._step_positions: list[tuple[int, int]] = []
+        self._step_ids: list[int] = []
         self._phase = "idle"  # idle -> batch -> backward -> stepped
         self._loss: torch.Tensor | None = None
         self._probe: Bisection | None = None
@@ -254,8 +267,10 @@ class Guard:
                     # bit for bit with num_workers=0, or with per-sample seeded randomness.
                     loader.generator.manual_seed(hash((sampler.seed, *self._pos)))
                 it, self._reset_iter = iter(loader), False
-            if self.global_step % self.policy.snapshot.every_steps == 0 and not self.ring.has(
-                self.global_step
+            if (
+                self._micro == 0
+                and self.global_step % self.policy.snapshot.every_steps == 0
+                and not self.ring.has(self.global_step)
             ):
                 self._snapshot()
             try:
@@ -265,6 +280,8 @@ class Guard:
                 continue
             ids, self._next_offset = sampler.batch_at(*self._pos)
             self._begin_batch(ids)
+            self._step_positions.append(self._pos)
+            self._step_ids.extend(ids)
             yield batch
             self._end_batch()
 
@@ -274,28 +291,38 @@ class Guard:
             raise UsageError(
                 f"[rank {self.comm.global_rank} step {self.global_step}] guard.backward was called "
                 + (
-                    "twice in one step: gradient accumulation is not supported yet"
+                    "twice for one batch: call guard.backward and guard.step once per batch "
+                    "(gradient accumulation works with DeepSpeed's gradient_accumulation_steps, "
+                    "one batch per micro-step; not yet with plain PyTorch or FSDP)"
                     if self._phase == "backward"
                     else "outside a guard.batches iteration"
                 )
             )
-        fault = self.faults.loss_fault(
-            self.global_step, self._cur_ids, one_shot=self._probe is None
-        )
+        real = self._probe is None
+        fault = self.faults.loss_fault(self.global_step, self._cur_ids, one_shot=real)
         if fault == "poison":
             loss = loss * float("nan")
         elif fault == "inf":
             loss = loss + float("inf")
-        self._loss = loss.detach()
-        self.engine.backward(loss)
+        detached = loss.detach()
+        if real and self._micro > 0 and self._loss is not None:
+            self._loss = self._loss + detached  # gradient accumulation: checked as the mean
+        else:
+            self._loss = detached
         self._phase = "backward"
+        if not real and not self._probe_judges_grads:
+            return  # an isolation re-run judged by its loss alone needs no gradients
+        if real and self.engine.poison_before_backward and self.faults.grad_fault(self.global_step):
+            self.engine.poison_grad()
+        self.engine.backward(loss)
 
     def step(self, loss: torch.Tensor | None = None) -> str:
         """Finite check, then commit or the incident pipeline. Must follow backward().
 
         Returns:
             ``"commit"``, ``"overflow_skip"`` (a loss scaler skipped an overflowed step),
-            ``"incident"`` (rolled back or isolating) or ``"probe"`` (an isolation re-run).
+            ``"incident"`` (rolled back or isolating), ``"probe"`` (an isolation re-run) or
+            ``"accumulate"`` (a micro-batch that is not the last of its step).
 
         Raises:
             GaveUp: the incident budget is spent (exit code 71 when uncaught).
@@ -312,13 +339,22 @@ class Guard:
         assert self._loss is not None
         if self._probe is not None:
             return self._probe_step()
+        gas = self.engine.micro_steps_per_step
+        if self._micro + 1 < gas:
+            self.engine.accumulate()
+            self._micro += 1
+            self._pos = (self._pos[0], self._next_offset)
+            return ACCUMULATE
+        self.ring.fence()  # snapshot copies in flight must land before anything mutates
         self.faults.process_faults(self.global_step)
-        if self.faults.grad_fault(self.global_step):
+        if not self.engine.poison_before_backward and self.faults.grad_fault(self.global_step):
             self.engine.poison_grad()
+        self.engine.prepare_check(self.adjuster.multiplier())
         grads = self.engine.grads()
         check_grads = self.policy.detect.check_grads
         control = (float(self._stop_requested), *self.durable.control())
-        packed = pack_local(self._loss, grads, check_grads, control)
+        loss = self._loss if gas == 1 else self._loss / gas
+        packed = pack_local(loss, grads, check_grads, control)
         vals = self.comm.all_reduce_sum_(packed).tolist()  # the one host sync of the step
         self.durable.observe(vals, self.global_step)
         outcome = self._decide(vals)
@@ -392,10 +428,10 @@ class Guard:
         self._phase = "idle"
 
     def _commit(self, outcome: str) -> str:
-        self.ring.fence()
         self.engine.commit(self.adjuster.multiplier())
-        self._recent.append((self.global_step, *self._pos))
+        self._recent.append((self.global_step, self._step_positions))
         self._pos = (self._pos[0], self._next_offset)
+        self._new_step()
         for snap in self.ring.seal_through(self.global_step, self.policy.snapshot.seal_after_steps):
             self.durable.on_sealed(snap, self.rollbacks)
         self.global_step += 1
@@ -404,6 +440,15 @@ class Guard:
         if phase is not None:
             self._event("adjust", phase=phase, lr_multiplier=self.adjuster.multiplier())
         return outcome
+
+    def _new_step(self) -> None:
+        self._micro, self._step_positions, self._step_ids = 0, [], []
+
+    @property
+    def _probe_judges_grads(self) -> bool:
+        """Isolation re-runs judge a sub-batch by its gradients too, where they are this
+        rank's own and unscaled; elsewhere by its loss alone, and skip backward."""
+        return self.engine.rerun_grads_are_local and not self.engine.has_loss_scaler
 
     def _snapshot(self, initial: bool = False) -> Snapshot | None:
         t0 = time.perf_counter()
@@ -452,14 +497,14 @@ class Guard:
             grad_norm=gnorm,
             origin_ranks=origin,
             per_rank=per_rank,
-            batch_ids=self.comm.all_gather_object(self._cur_ids),
+            batch_ids=self.comm.all_gather_object(self._step_ids),
         )
         self._escalate_if_over_budget()
 
         q = self.policy.quarantine
         if q.enabled and q.scope == "step" and q.isolate and reason.startswith("nonfinite"):
-            suspects = list(self._cur_ids) if self.comm.rank in origin else []
-            self._probe = Bisection(suspects, filler=self._cur_ids[:1])
+            suspects = list(self._step_ids) if self.comm.rank in origin else []
+            self._probe = Bisection(suspects, filler=self._step_ids[:1])
             self._probe_steps = 0
             self.engine.abandon()
             return INCIDENT
@@ -467,18 +512,24 @@ class Guard:
         if q.enabled:
             ranks = origin or list(range(self.comm.world_size))
             assert self._sampler is not None
-            culprits = [i for r in ranks for i in self._sampler.batch_at(*self._pos, rank=r)[0]]
+            sampler = self._sampler
+            culprits = [
+                i
+                for pos in self._step_positions
+                for r in ranks
+                for i in sampler.batch_at(*pos, rank=r)[0]
+            ]
             if q.scope == "window":
-                for step, epoch, offset in self._recent:
+                for step, positions in self._recent:
                     if step >= self.global_step - q.window_steps:
-                        culprits += self._sampler.global_batch_at(epoch, offset)
+                        culprits += [i for p in positions for i in sampler.global_batch_at(*p)]
         self._recover(culprits)
         return INCIDENT
 
     def _probe_step(self) -> str:
         assert self._probe is not None and self._loss is not None
         bad = not bool(torch.isfinite(self._loss).all())
-        if self.engine.rerun_grads_are_local and not self.engine.has_loss_scaler:
+        if self._probe_judges_grads:
             grads = self.engine.grads()  # local: the re-run ran without gradient sync
             bad = bad or (bool(grads) and not bool(torch.isfinite(grad_norm(grads))))
         self._probe.record(bad)
@@ -514,9 +565,11 @@ class Guard:
         adjust = self.policy.adjust
         t0 = time.perf_counter()
         scale_factor = adjust.loss_scale_factor if self.engine.has_loss_scaler else 1.0
+        scale_before = self.engine.loss_scale()
         self.engine.restore(target, scale_factor)
         g = target.materialize("guard", clone=False)
         self.global_step, self._pos = g["step"], (g["epoch"], g["offset"])
+        self._new_step()
         self.ring.drop_after(target.step)
         self.durable.invalidate_after(target.step)
         # Steps after the target belong to the abandoned timeline: forget their positions.
@@ -530,6 +583,11 @@ class Guard:
             to_step=target.step,
             min_age_met=age_met,
             restore_ms=round((time.perf_counter() - t0) * 1e3, 3),
+            **(
+                {"loss_scale_at_incident": scale_before, "loss_scale": self.engine.loss_scale()}
+                if scale_before is not None
+                else {}
+            ),
         )
         inc.rolled_back_to = target.step
         inc.lr_multiplier = self.adjuster.on_incident()
@@ -719,10 +777,33 @@ class Guard:
 
 
 def _engine_for(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any
+    model: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    scaler: Any,
+    engine: Any,
 ) -> Engine:
-    """Pick the adapter from the model: FSDP1, FSDP2 (DTensor parameters), else plain/DDP."""
+    """Pick the adapter: DeepSpeed, FSDP1, FSDP2 (DTensor parameters), else plain/DDP."""
     from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from orchestrator.engines.deepspeed import DeepSpeedEngine, is_deepspeed_engine
+
+    if engine is None and is_deepspeed_engine(model):
+        engine, model = model, None
+    if engine is not None:
+        if not is_deepspeed_engine(engine):
+            raise UsageError(
+                f"Guard(engine=...) takes the engine deepspeed.initialize returned, not a "
+                f"{type(engine).__name__}; pass torch objects as model=/optimizer="
+            )
+        if any(x is not None for x in (model, optimizer, scheduler, scaler)):
+            raise UsageError(
+                "with a DeepSpeed engine pass only engine=...: DeepSpeed owns the model, "
+                "optimizer, scheduler and loss scaler (give them to deepspeed.initialize)"
+            )
+        return DeepSpeedEngine(engine)
+    if model is None or optimizer is None:
+        raise UsageError("Guard needs model= and optimizer= (or engine= for DeepSpeed)")
 
     if isinstance(model, FullyShardedDataParallel):
         return FSDP1Engine(model, optimizer, scheduler, scaler)

@@ -133,6 +133,18 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
+def _tensors(obj: Any, path: str, out: dict[str, torch.Tensor]) -> None:
+    """Collect the tensors of a loaded tree by path (for the finiteness check)."""
+    if isinstance(obj, torch.Tensor):
+        out[path] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _tensors(v, f"{path}/{k}", out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _tensors(v, f"{path}/{i}", out)
+
+
 def _dtype(name: str) -> torch.dtype:
     dt = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dt, torch.dtype):
@@ -164,11 +176,25 @@ class DurableStore:
 
     # writing ------------------------------------------------------------------------------
     def write_part(
-        self, snap: Snapshot, rank: int, world_size: int, keys: list[str], nonce: str = ""
+        self,
+        snap: Snapshot,
+        rank: int,
+        world_size: int,
+        keys: list[str],
+        nonce: str = "",
+        native: dict[str, str] | None = None,
+        texts: dict[str, str] | None = None,
     ) -> int:
-        """Write this rank's part of ``snap`` (the top-level ``keys``); return bytes written."""
+        """Write this rank's part of ``snap`` (the top-level ``keys``); return bytes written.
+
+        ``native`` keys go to ``torch.save`` files at the given paths (an engine's own
+        checkpoint layout) instead of DCP; ``texts`` are small files written as given.
+        """
+        native = {k: v for k, v in (native or {}).items() if k in keys}
         tensors: dict[str, torch.Tensor] = {}
-        skeleton = {k: _encode(snap.skeleton[k], k, tensors, snap.buffers) for k in keys}
+        skeleton: dict[str, Any] = {
+            k: _encode(snap.skeleton[k], k, tensors, snap.buffers) for k in keys if k not in native
+        }
         d = step_dir(snap.step)
         part = self._p(d, f"rank_{rank}")
         self.fs.makedirs(part, exist_ok=True)
@@ -182,6 +208,18 @@ class DurableStore:
                 "size": int(info["size"]),
                 "sha256": self._sha(info["name"]),
             }
+        for key, rel in native.items():
+            path = self._p(d, rel)
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            with self.fs.open(path, "wb") as f:
+                torch.save(snap.materialize(key, clone=False), f)
+            skeleton[key] = {"__native__": rel}
+            files[rel] = {"size": self.fs.size(path), "sha256": self._sha(path), "rank": rank}
+        for rel, text in (texts or {}).items():
+            path = self._p(d, rel)
+            with self.fs.open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+            files[rel] = {"size": self.fs.size(path), "sha256": self._sha(path), "rank": rank}
         doc = {
             "rank": rank,
             "nonce": nonce,
@@ -302,7 +340,11 @@ class DurableStore:
         """Sizes and checksums of the files of ``ranks``' parts; raises PersistError."""
         d = step_dir(step)
         for rel, meta in manifest["files"].items():
-            owner = rel.split("/", 1)[0].removesuffix(".json")
+            owner = (
+                f"rank_{meta['rank']}"
+                if "rank" in meta
+                else rel.split("/", 1)[0].removesuffix(".json")
+            )
             if owner not in {f"rank_{r}" for r in ranks}:
                 continue
             path = self._p(d, rel)
@@ -330,12 +372,20 @@ class DurableStore:
             dcp.load(
                 template, storage_reader=_reader(self.fs, self._p(d, f"rank_{rank}")), no_dist=True
             )
+        tree: dict[str, Any] = {}
+        for key, enc in doc["skeleton"].items():
+            if isinstance(enc, dict) and "__native__" in enc:
+                # An engine's own format (pickled: its checksum was verified before this).
+                with self.fs.open(self._p(d, enc["__native__"]), "rb") as f:
+                    tree[key] = torch.load(f, map_location="cpu", weights_only=False)
+                _tensors(tree[key], key, template)
+            else:
+                tree[key] = _decode(enc, template)
         for path, t in template.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise PersistError(
                     f"snapshot {step}: tensor {path} of rank {rank} holds non-finite values"
                 )
-        tree: dict[str, Any] = {k: _decode(v, template) for k, v in doc["skeleton"].items()}
         return tree
 
     def uncommit_after(self, step: int) -> list[int]:
@@ -443,6 +493,8 @@ class _Write:
     keys: list[str]
     local_keys: list[str]
     nonce: str
+    native: dict[str, str]
+    texts: dict[str, str]
 
 
 @dataclass
@@ -490,12 +542,21 @@ class Persister:
     def busy(self) -> bool:
         return not self._idle.is_set()
 
-    def submit(self, snap: Snapshot, keys: list[str], local_keys: list[str], nonce: str) -> None:
+    def submit(
+        self,
+        snap: Snapshot,
+        keys: list[str],
+        local_keys: list[str],
+        nonce: str,
+        native: dict[str, str] | None = None,
+        texts: dict[str, str] | None = None,
+    ) -> None:
         """Write this rank's part (``keys``; ``local_keys`` on the node-local tier) of
         ``snap``. ``nonce`` names this attempt at it, so no part left over from another
-        attempt or timeline is ever committed with it."""
+        attempt or timeline is ever committed with it. ``native``/``texts``: see
+        :meth:`DurableStore.write_part`."""
         self._idle.clear()
-        self._q.put(_Write(snap, keys, local_keys, nonce))
+        self._q.put(_Write(snap, keys, local_keys, nonce, native or {}, texts or {}))
 
     def invalidate_after(self, step: int) -> None:
         """Delete durable snapshots newer than ``step``, after the writes in flight: rank 0
@@ -561,7 +622,15 @@ class Persister:
         assert self.local is not None
         snap, local, t0 = task.snap, self.local, time.perf_counter()
         try:
-            local.store.write_part(snap, self.rank, self.world_size, task.local_keys, task.nonce)
+            local.store.write_part(
+                snap,
+                self.rank,
+                self.world_size,
+                task.local_keys,
+                task.nonce,
+                task.native,
+                task.texts if self.rank == local.leader else None,
+            )
             if self.rank == local.leader:
                 local.store.commit(
                     snap.step,
@@ -591,7 +660,15 @@ class Persister:
 
         def write() -> int:
             self.faults.storage("write", snap.step)
-            return self.store.write_part(snap, self.rank, self.world_size, task.keys, task.nonce)
+            return self.store.write_part(
+                snap,
+                self.rank,
+                self.world_size,
+                task.keys,
+                task.nonce,
+                task.native,
+                task.texts if self.rank == 0 else None,
+            )
 
         nbytes = self._retrying("write", snap.step)(write)
         written = time.perf_counter() - t0

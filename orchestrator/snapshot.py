@@ -35,7 +35,7 @@ def _flatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
         return {k: _flatten(v, leaves) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_flatten(v, leaves) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+    if type(obj) is tuple:  # subclasses (namedtuples, torch.Size) are kept whole
         return tuple(_flatten(v, leaves) for v in obj)
     return copy.deepcopy(obj)
 
@@ -47,7 +47,7 @@ def _unflatten(skel: Any, get: Callable[[_Leaf], torch.Tensor]) -> Any:
         return {k: _unflatten(v, get) for k, v in skel.items()}
     if isinstance(skel, list):
         return [_unflatten(v, get) for v in skel]
-    if isinstance(skel, tuple) and not hasattr(skel, "_fields"):
+    if type(skel) is tuple:
         return tuple(_unflatten(v, get) for v in skel)
     return copy.deepcopy(skel)
 

@@ -17,6 +17,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
+DS_EXAMPLE = REPO / "examples" / "train_gpt_deepspeed.py"
 
 
 def free_port() -> int:
@@ -29,7 +30,15 @@ def run(
     cmd: list[str], env: dict[str, str] | None = None, timeout: float = 180
 ) -> subprocess.CompletedProcess[str]:
     """Run in a new session; on timeout kill the whole group (torchrun's workers included)."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        # DeepSpeed compiles a small CPU op on first use: once per machine, not per test.
+        "TORCH_EXTENSIONS_DIR": os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions")
+        ),
+        **(env or {}),
+    }
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
@@ -49,9 +58,14 @@ def run(
 
 
 def train(
-    run_dir: Path, nproc: int, *args: str, policy: dict[str, Any] | None = None, save: bool = True
+    run_dir: Path,
+    nproc: int,
+    *args: str,
+    policy: dict[str, Any] | None = None,
+    save: bool = True,
+    script: Path = EXAMPLE,
 ) -> subprocess.CompletedProcess[str]:
-    """Run the example trainer (python for 1 rank, torchrun for more) into ``run_dir``."""
+    """Run an example trainer (python for 1 rank, torchrun for more) into ``run_dir``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {"ORCHESTRATOR_RUN_DIR": str(run_dir)}
     if policy is not None:
@@ -60,7 +74,7 @@ def train(
         env["ORCHESTRATOR_POLICY"] = str(path)
     extra = ["--save-final", str(run_dir / "final")] if save else []
     if nproc == 1:
-        cmd = [sys.executable, str(EXAMPLE), *args, *extra]
+        cmd = [sys.executable, str(script), *args, *extra]
     else:
         cmd = [
             sys.executable,
@@ -72,7 +86,7 @@ def train(
             "127.0.0.1",
             "--master-port",
             str(free_port()),
-            str(EXAMPLE),
+            str(script),
             *args,
             *extra,
         ]

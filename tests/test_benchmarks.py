@@ -21,8 +21,9 @@ pytestmark = pytest.mark.timeout(300)
         ["benchmarks/bench_persist.py", "--d-model", "32", "--layers", "1", "--reps", "1"],
         ["benchmarks/bench_persist.py", "--fsdp", "--d-model", "32", "--layers", "1",
          "--reps", "1"],
+        ["benchmarks/bench_deepspeed.py", "--d-model", "32", "--layers", "1", "--reps", "1"],
     ],
-    ids=["guard", "persist", "persist-fsdp"],
+    ids=["guard", "persist", "persist-fsdp", "deepspeed"],
 )  # fmt: skip
 def test_benchmark_runs(args: list[str]) -> None:
     r = run([sys.executable, *args, "--json"], timeout=280)

@@ -26,6 +26,18 @@ class Engine(ABC):
     rerun_grads_are_local: bool = True
     #: Top-level snapshot keys that differ between ranks even when the rest is replicated.
     rank_local_keys: frozenset[str] = frozenset({"rng"})
+    #: Optimizer steps take this many micro-batches (gradient accumulation); the Guard
+    #: checks, commits and snapshots only at the boundaries.
+    micro_steps_per_step: int = 1
+    #: ``poison_grad`` must run before ``backward`` (gradients are reduced inside it).
+    poison_before_backward: bool = False
+
+    @property
+    def state_replicated(self) -> bool:
+        """Every rank holds the same model and optimizer state, so one rank's copy of it is
+        the whole durable snapshot. Differs from ``grads_replicated`` only where the
+        reported norm is global but the state is sharded (DeepSpeed ZeRO)."""
+        return self.grads_replicated
 
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
@@ -34,6 +46,18 @@ class Engine(ABC):
     @abstractmethod
     def poison_grad(self) -> None:
         """Fault injection: write a NaN into one local gradient (before any unscaling)."""
+
+    def prepare_check(self, lr_multiplier: float) -> None:
+        """Called once per optimizer step, before ``grads``. Engines that can only judge a
+        step after applying it apply it here (``lr_multiplier`` as in ``commit``); the Guard
+        restores a snapshot on every incident, so a bad step applied here is never kept."""
+        del lr_multiplier  # the default judges first and applies in commit
+
+    def accumulate(self) -> None:
+        """A micro-batch that is not the last of its step has had its backward."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not accumulate gradients over micro-batches"
+        )
 
     @abstractmethod
     def grads(self) -> list[torch.Tensor]:
@@ -64,6 +88,16 @@ class Engine(ABC):
     #: A durable snapshot of this engine's sharded state can be loaded at another world size.
     can_reshard: bool = False
 
+    def native_files(self, step: int) -> dict[str, str]:
+        """Top-level snapshot keys this rank writes with ``torch.save`` in the engine's own
+        checkpoint layout (key -> path inside the snapshot directory) instead of DCP, so the
+        engine's own loader reads durable snapshots too."""
+        return {}
+
+    def native_texts(self, step: int) -> dict[str, str]:
+        """Small text files rank 0 adds to a durable snapshot for the native layout."""
+        return {}
+
     def reshard(self, parts: list[dict[str, Any]], own: int) -> dict[str, Any]:
         """This rank's state from every saved rank's part (``parts[own]``: the part whose
         per-rank values, such as RNG, this rank takes)."""
@@ -74,6 +108,10 @@ class Engine(ABC):
         """With a dynamic loss scaler, gradient overflow is the scaler's business (it skips
         the step and lowers the scale); only a non-finite loss is an incident."""
         return False
+
+    def loss_scale(self) -> float | None:
+        """The current loss scale, or None without a loss scaler (journaled on rollback)."""
+        return None
 
     @contextlib.contextmanager
     def local_grads(self) -> Iterator[None]:

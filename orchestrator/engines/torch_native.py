@@ -41,6 +41,9 @@ class TorchEngine(Engine):
     def has_loss_scaler(self) -> bool:
         return self.scaler is not None
 
+    def loss_scale(self) -> float | None:
+        return float(self.scaler.get_scale()) if self.scaler is not None else None
+
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
