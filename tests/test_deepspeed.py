@@ -84,17 +84,20 @@ def test_internal_methods_exist_in_this_deepspeed() -> None:
     )
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize(
+    ("config", "step"),
+    [*((c, 17) for c in CONFIGS), ("zero3", 3)],  # step 3: back to before any optimizer state
+)
 def test_nan_grad_rolls_back_bit_for_bit(
-    tmp_path: Path, clean: dict[str, Path], config: str
+    tmp_path: Path, clean: dict[str, Path], config: str, step: int
 ) -> None:
     d = tmp_path / "run"
-    fault = {"kind": "nan_grad", "step": 17, "rank": 1}
+    fault = {"kind": "nan_grad", "step": step, "rank": 1}
     ds_train(d, *CONFIGS[config], policy={**NO_Q, "faults": [fault]})
     (inc,) = kinds(d, "incident")
-    assert inc["step"] == 17 and inc["details"]["reason"] == "nonfinite_grads"
+    assert inc["step"] == step and inc["details"]["reason"] == "nonfinite_grads"
     (rb,) = kinds(d, "rollback")
-    assert rb["details"]["from_step"] == 17 and rb["details"]["to_step"] <= 17
+    assert rb["details"]["from_step"] == step and rb["details"]["to_step"] == step // 10 * 10
     for a, b in zip(final_states(clean[config]), final_states(d), strict=True):
         assert_bitwise_equal(a, b, f"{config} final")
 
@@ -206,3 +209,40 @@ def test_crash_under_launch_with_deepspeed_launcher_resumes_bit_for_bit(
     assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] in (20, 30)
     for a, b in zip(final_states(clean["zero2"]), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
+
+
+LR_CHECK = """
+import os, torch, deepspeed
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=os.environ["PORT"])
+deepspeed.init_distributed(dist_backend="gloo")
+from orchestrator.engines.deepspeed import DeepSpeedEngine
+
+def step(lr, multiplier):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True}},
+           "zero_optimization": {"stage": 2}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=cfg)
+    adapter = DeepSpeedEngine(engine)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
+    adapter.backward(engine(x).float().pow(2).mean())
+    adapter.prepare_check(multiplier)
+    fp32 = engine.optimizer.state_dict()["single_partition_of_fp32_groups"][0].clone()
+    return fp32, engine.optimizer.param_groups[0]["lr"]
+
+a, lr_a = step(0.001, 1.0)
+b, lr_b = step(0.002, 0.5)
+assert torch.equal(a, b), "the LR multiplier did not reach DeepSpeed's optimizer step"
+assert (lr_a, lr_b) == (0.001, 0.002), f"the LR was not restored after the step: {lr_b}"
+print("LR_OK")
+"""
+
+
+def test_lr_multiplier_reaches_the_deepspeed_step() -> None:
+    """bf16 incidents cut the LR: the multiplier applies inside DeepSpeed's step, to that
+    step only. A step at LR 0.002 x 0.5 must equal one at LR 0.001, bit for bit."""
+    r = run([sys.executable, "-c", LR_CHECK], env={"PORT": str(free_port())}, timeout=120)
+    assert r.returncode == 0 and "LR_OK" in r.stdout, r.stdout[-3000:]
