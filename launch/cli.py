@@ -92,6 +92,53 @@ def _launch(args: argparse.Namespace) -> int:
     return Supervisor(policy, run_dir, cmd).run()
 
 
+def _health(args: argparse.Namespace) -> int:
+    """Run the health checks on a node allocation through the user's launcher."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from orchestrator.errors import EXIT_UNHEALTHY
+
+    cmd = list(args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd)
+    if not cmd:
+        print(
+            "orchestrator health needs a launcher: orchestrator health -- torchrun "
+            "--nproc-per-node 8",
+            file=sys.stderr,
+        )
+        return EXIT_INVALID
+    try:
+        load_policy(args.policy)  # fail here, once, on a bad policy
+    except PolicyError as err:
+        print(err, file=sys.stderr)
+        return EXIT_INVALID
+    run_dir = os.path.abspath(
+        args.run_dir or os.path.join("runs", time.strftime("health-%Y%m%d-%H%M%S"))
+    )
+    os.makedirs(run_dir, exist_ok=True)
+    env = {**os.environ, "ORCHESTRATOR_RUN_DIR": run_dir}
+    if args.policy:
+        env["ORCHESTRATOR_POLICY"] = os.path.abspath(args.policy)
+    worker = str(Path(__file__).resolve().parent / "health_worker.py")
+    code = subprocess.run([*cmd, worker], env=env).returncode
+    report = os.path.join(run_dir, "health.json")
+    if not os.path.exists(report):
+        print(f"no health report in {run_dir} (launcher exit code {code})", file=sys.stderr)
+        return code or EXIT_UNHEALTHY
+    with open(report, encoding="utf-8") as f:
+        doc = json.load(f)
+    if doc["healthy"]:
+        print(f"healthy ({doc['seconds']} s); report: {report}")
+        return 0
+    bad = ", ".join(
+        f"rank {r} on {doc['hosts'].get(r, '?')}: {', '.join(c)}"
+        for r, c in doc["bad_ranks"].items()
+    )
+    print(f"UNHEALTHY: {bad}; report: {report}", file=sys.stderr)
+    return EXIT_UNHEALTHY
+
+
 def _status(args: argparse.Namespace) -> int:
     from launch.status import render
 
@@ -131,6 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--nproc", type=int, help="short form: build the torchrun command")
     la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     la.set_defaults(func=_launch)
+    he = sub.add_parser(
+        "health",
+        help="pre-flight health checks of a node allocation; exit 72 if a rank fails",
+        description="orchestrator health [--policy P] [--run-dir D] -- torchrun "
+        "--nproc-per-node N   (the launcher without a script: the checks are appended)",
+    )
+    he.add_argument("--policy", help="policy YAML (its health section; faults for drills)")
+    he.add_argument("--run-dir", help="where health.json goes (default: ./runs/health-<time>)")
+    he.add_argument("cmd", nargs=argparse.REMAINDER, help="-- LAUNCHER ARGS...")
+    he.set_defaults(func=_health)
     st = sub.add_parser("status", help="one screen on a run: attempts, ranks, incidents")
     st.add_argument("run_dir")
     st.set_defaults(func=_status)

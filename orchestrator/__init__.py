@@ -15,6 +15,7 @@ from orchestrator.errors import (
     PolicyError,
     Preempted,
     RunStop,
+    Unhealthy,
     UsageError,
 )
 from orchestrator.guard import Guard
@@ -37,6 +38,7 @@ __all__ = [
     "PolicyError",
     "Preempted",
     "RunStop",
+    "Unhealthy",
     "UsageError",
     "load_policy",
     "parse_policy",

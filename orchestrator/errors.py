@@ -56,3 +56,9 @@ class GaveUp(RunStop):
     """More incidents than ``escalation.max_incidents`` within ``escalation.window_steps``."""
 
     exit_code = EXIT_GAVE_UP
+
+
+class Unhealthy(RunStop):
+    """A health check failed: the journal's ``unhealthy`` event names the ranks and hosts."""
+
+    exit_code = EXIT_UNHEALTHY

@@ -19,13 +19,17 @@ from collections.abc import Iterable
 
 from orchestrator.journal import Journal, read_journal
 from orchestrator.policy import (
+    CorruptAllreduceFault,
     CrashFault,
     ExitFault,
     Fault,
+    FlakyComputeFault,
     HangFault,
     InfLossFault,
     NanGradFault,
+    NanModuleFault,
     PoisonSampleFault,
+    SlowRankFault,
     SlowStorageFault,
     StorageErrorFault,
     TruncateSnapshotFault,
@@ -41,6 +45,10 @@ def fault_key(f: Fault) -> str:
         return f"slow_storage:{f.op}+{f.seconds}s"
     if isinstance(f, TruncateSnapshotFault):
         return f"truncate_snapshot@{f.step}"
+    if isinstance(f, (CorruptAllreduceFault, FlakyComputeFault, SlowRankFault)):
+        return f"{f.kind}:r{f.rank}"
+    if isinstance(f, NanModuleFault):
+        return f"nan_module:{f.module}@{f.step}"
     return f"{f.kind}@{f.step}:r{f.rank}"
 
 
@@ -79,6 +87,13 @@ class FaultInjector:
             f for f in faults if isinstance(f, SlowStorageFault) and f.rank in (None, rank)
         ]
         self.poisoned = frozenset(f.sample for f in faults if isinstance(f, PoisonSampleFault))
+        # Health-check faults hold for the whole run on their rank.
+        mine = [f for f in faults if getattr(f, "rank", None) == rank]
+        self.corrupt_collectives = any(isinstance(f, CorruptAllreduceFault) for f in mine)
+        self.flaky_compute = any(isinstance(f, FlakyComputeFault) for f in mine)
+        self.slow_factor = max(
+            (f.factor for f in mine if isinstance(f, SlowRankFault)), default=1.0
+        )
 
     def _take(self, cls: type, step: int, at_or_after: bool = False) -> bool:
         with self._lock:

@@ -51,9 +51,11 @@ from orchestrator.errors import (
     PolicyError,
     Preempted,
     RunStop,
+    Unhealthy,
     UsageError,
 )
 from orchestrator.faults import FaultInjector
+from orchestrator.health import HealthChecker
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.incident import Incident
 from orchestrator.isolate import Bisection
@@ -169,6 +171,12 @@ class Guard:
         self._old_handlers: dict[int, Any] = {}
 
         self._check_memory()
+        h = self.policy.health
+        self.health = (
+            HealthChecker(h, self.comm, self.faults, self.run_dir)
+            if h.preflight or h.on_incident
+            else None
+        )
         if self.comm.rank == 0:
             with open(os.path.join(self.run_dir, "policy.yaml"), "w", encoding="utf-8") as f:
                 yaml.safe_dump(self.policy.model_dump(mode="json"), f, sort_keys=False)
@@ -180,6 +188,8 @@ class Guard:
             quarantined=len(self._quarantined),
             faults=len(self.policy.faults),
         )
+        if self.health is not None and h.preflight:
+            self._check_health("preflight")
         self._install_stop_handlers()  # last: a failed start must not keep them
 
     # ------------------------------------------------------------------ public API ----
@@ -392,6 +402,8 @@ class Guard:
             self.heartbeat.beat(self.global_step, phase="closing", force=True)
             self._persist_final()
         self.durable.close()
+        if self.health is not None:
+            self.health.close()
         self.heartbeat.beat(self.global_step, phase="done", force=True)
         if threading.current_thread() is threading.main_thread():
             for sig, handler in self._old_handlers.items():
@@ -499,6 +511,8 @@ class Guard:
             per_rank=per_rank,
             batch_ids=self.comm.all_gather_object(self._step_ids),
         )
+        if self.health is not None and self.policy.health.on_incident:
+            self._check_health(f"incident at step {self.global_step}")
         self._escalate_if_over_budget()
 
         q = self.policy.quarantine
@@ -619,6 +633,40 @@ class Guard:
             self.journal.write("ledger_failed", step, {"samples": ids, "error": repr(err)})
             logger.error("quarantine ledger %s not written: %r", self.ledger.url, err)
             return False
+
+    def _check_health(self, reason: str) -> None:
+        """Run the health checks (every rank); on a failure journal the ranks and hosts
+        and stop with exit code 72, so the supervisor or scheduler can exclude the node.
+
+        Raises:
+            Unhealthy: a check failed on some rank (or timed out).
+        """
+        assert self.health is not None
+        report = self.health.run(reason)
+        self._event("health", **report.to_dict())
+        if report.healthy:
+            return
+        named = {r: report.to_dict()["hosts"].get(str(r), "?") for r in report.bad}
+        self._event(
+            "unhealthy",
+            reason=reason,
+            ranks=sorted(report.bad),
+            hosts=sorted(set(named.values())),
+            failed={str(r): checks for r, checks in sorted(report.bad.items())},
+        )
+        # Every rank has the same report unless a collective timed out; then each stops on
+        # what it saw, and the journal of whichever rank 0 is left says the rest.
+        if self.comm.rank == 0 or report.ranks[0]["rank"] != 0:
+            logger.error(
+                "UNHEALTHY (%s): %s. Exclude these nodes and restart.",
+                reason,
+                "; ".join(f"rank {r} on {h}: {report.bad[r]}" for r, h in named.items()),
+            )
+        self.close(persist=False)
+        raise Unhealthy(
+            f"health check failed ({reason}): ranks {sorted(report.bad)} on "
+            f"{sorted(set(named.values()))}"
+        )
 
     def _escalate_if_over_budget(self) -> None:
         e = self.policy.escalation

@@ -143,6 +143,50 @@ class EscalationPolicy(_Section):
     window_steps: int = Field(500, ge=1, description="Sliding window for the incident budget.")
 
 
+class HealthPolicy(_Section):
+    preflight: bool = Field(
+        False,
+        description="Run the health checks when the Guard starts (and keep the first "
+        "measured bandwidth as the baseline in RUN_DIR/health_baseline.json).",
+    )
+    on_incident: bool = Field(
+        True, description="Run them on every incident, before deciding what to do."
+    )
+    timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Hard limit for every collective of a check: a rank that does not "
+        "answer in time fails the check instead of hanging it.",
+    )
+    bandwidth_mb: float = Field(
+        16.0, gt=0, description="Size of the buffer all-reduced to measure bandwidth (MiB)."
+    )
+    bandwidth_reps: int = Field(3, ge=1, description="Timed all-reduces (median taken).")
+    min_bandwidth_ratio: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="A measured bandwidth below this share of the baseline fails; the "
+        "ranks that arrived last at the collectives are named.",
+    )
+    compute_size: int = Field(
+        256, ge=16, description="Side of the seeded matrices of the compute self-test."
+    )
+    memory_mb: float = Field(
+        16.0, ge=0, description="Memory pattern written and read back per rank (MiB)."
+    )
+
+
+class DiagnosePolicy(_Section):
+    rerun: bool = Field(
+        False,
+        description="On an incident, re-run the failed step: not reproducible -> "
+        "'transient' (suspect hardware: health checks, no quarantine); reproducible -> "
+        "'deterministic', and a second re-run with hooks names the first module whose "
+        "output (forward) or gradient (backward) is non-finite.",
+    )
+
+
 class PersistPolicy(_Section):
     enabled: bool = Field(True, description="Write sealed snapshots to durable storage.")
     url: str | None = Field(
@@ -286,6 +330,29 @@ class SlowStorageFault(_Section):
     rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
 
 
+class CorruptAllreduceFault(_Section):
+    kind: Literal["corrupt_allreduce"]
+    rank: int = Field(ge=0, description="This rank's contributions to health checks are wrong.")
+
+
+class SlowRankFault(_Section):
+    kind: Literal["slow_rank"]
+    rank: int = Field(ge=0, description="This rank is slow in the bandwidth check.")
+    factor: float = Field(4.0, gt=1, description="How many times slower.")
+
+
+class FlakyComputeFault(_Section):
+    kind: Literal["flaky_compute"]
+    rank: int = Field(ge=0, description="This rank's compute self-test result is off.")
+
+
+class NanModuleFault(_Section):
+    kind: Literal["nan_module"]
+    module: str = Field(description="Qualified module name, e.g. blocks.2.attn.")
+    step: int = Field(ge=0, description="Its forward output turns NaN at this step.")
+    rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
+
+
 class TruncateSnapshotFault(_Section):
     kind: Literal["truncate_snapshot"]
     step: int = Field(
@@ -302,7 +369,11 @@ Fault = Annotated[
     | ExitFault
     | StorageErrorFault
     | SlowStorageFault
-    | TruncateSnapshotFault,
+    | TruncateSnapshotFault
+    | CorruptAllreduceFault
+    | SlowRankFault
+    | FlakyComputeFault
+    | NanModuleFault,
     Field(discriminator="kind"),
 ]
 # The tags pydantic puts in error locations of the union (not part of the YAML path).
@@ -321,6 +392,8 @@ class Policy(_Section):
     adjust: AdjustPolicy = Field(default_factory=AdjustPolicy)  # type: ignore[arg-type]
     escalation: EscalationPolicy = Field(default_factory=EscalationPolicy)  # type: ignore[arg-type]
     supervisor: SupervisorPolicy = Field(default_factory=SupervisorPolicy)  # type: ignore[arg-type]
+    health: HealthPolicy = Field(default_factory=HealthPolicy)  # type: ignore[arg-type]
+    diagnose: DiagnosePolicy = Field(default_factory=DiagnosePolicy)  # type: ignore[arg-type]
     faults: list[Fault] = Field(
         default_factory=list, description="Fault injection for drills and tests (off: empty)."
     )
