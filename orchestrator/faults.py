@@ -77,6 +77,14 @@ class FaultInjector:
             for f in faults
             if isinstance(f, TruncateSnapshotFault) and rank == 0 and fault_key(f) not in fired
         ]
+        self._nan_modules = [
+            f
+            for f in faults
+            if isinstance(f, NanModuleFault)
+            and f.rank in (None, rank)
+            and fault_key(f) not in fired
+        ]
+        self._nan_fired: list[NanModuleFault] = []
         self._storage = {
             i: f.times
             for i, f in enumerate(faults)
@@ -118,6 +126,19 @@ class FaultInjector:
         if one_shot and self._take(InfLossFault, step):
             return "inf"
         return None
+
+    def nan_module_armed(self, f: NanModuleFault, step: int, rerun_of: int | None) -> bool:
+        """Whether fault ``f`` turns its module's output NaN now: once, on the real pass of
+        its step, and again in every re-run of the incident that pass caused."""
+        if rerun_of is not None:
+            return f in self._nan_fired and f.step == rerun_of
+        with self._lock:
+            if f in self._nan_modules and f.step == step:
+                self._nan_modules.remove(f)
+                self._nan_fired.append(f)
+                self.journal.write("fault", step, {"key": fault_key(f), "fault": f.model_dump()})
+                return True
+        return False
 
     def grad_fault(self, step: int) -> bool:
         """True when a NaN must be written into a gradient after backward."""

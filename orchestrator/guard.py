@@ -14,6 +14,8 @@ snapshot old enough, cut the LR, and let ``guard.batches`` rewind the data.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import os
@@ -42,6 +44,7 @@ from orchestrator.detect import (
     grad_norm,
     pack_local,
 )
+from orchestrator.diagnose import ModuleLocator, install_nan_module
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine, TorchEngine
 from orchestrator.engines.fsdp import FSDP1Engine, FSDP2Engine, is_fsdp2
@@ -61,7 +64,7 @@ from orchestrator.incident import Incident
 from orchestrator.isolate import Bisection
 from orchestrator.journal import Journal
 from orchestrator.persist import PersistError, storage_retry
-from orchestrator.policy import Policy, load_policy
+from orchestrator.policy import NanModuleFault, Policy, load_policy
 from orchestrator.quarantine import LEDGER_NAME, Ledger
 from orchestrator.snapshot import Snapshot, SnapshotRing
 
@@ -148,6 +151,8 @@ class Guard:
         self._probe: Bisection | None = None
         self._probe_steps = 0
         self._open: Incident | None = None
+        self._locator: ModuleLocator | None = None  # forensics hooks for the next re-run
+        self._located: dict[str, str] | None = None
         self._reset_iter = True
         self._closed = False
 
@@ -171,6 +176,11 @@ class Guard:
         self._old_handlers: dict[int, Any] = {}
 
         self._check_memory()
+        self._fault_hooks = [
+            install_nan_module(self.engine.core, f.module, functools.partial(self._nan_armed, f))
+            for f in self.policy.faults
+            if isinstance(f, NanModuleFault) and f.rank in (None, self.comm.global_rank)
+        ]
         h = self.policy.health
         self.health = (
             HealthChecker(h, self.comm, self.faults, self.run_dir)
@@ -255,7 +265,9 @@ class Guard:
                 ids = self._probe.next_group()
                 batch = loader.collate_fn([loader.dataset[i] for i in ids])
                 self._begin_batch(ids)
-                with self.engine.local_grads():
+                # Forensics hooks exist only during the first re-run (the whole step).
+                hooks = self._locator if self._probe_steps == 0 else None
+                with self.engine.local_grads(), hooks or contextlib.nullcontext():
                     yield batch
                 self._end_batch()
                 continue
@@ -516,10 +528,17 @@ class Guard:
         self._escalate_if_over_budget()
 
         q = self.policy.quarantine
-        if q.enabled and q.scope == "step" and q.isolate and reason.startswith("nonfinite"):
+        isolate = q.enabled and q.scope == "step" and q.isolate
+        rerun = self.policy.diagnose.rerun
+        if (isolate or rerun) and reason.startswith("nonfinite"):
             suspects = list(self._step_ids) if self.comm.rank in origin else []
-            self._probe = Bisection(suspects, filler=self._step_ids[:1])
+            self._probe = Bisection(suspects, filler=self._step_ids[:1], split=isolate)
             self._probe_steps = 0
+            self._locator = (
+                ModuleLocator(self.engine.core, backward=self._probe_judges_grads)
+                if rerun
+                else None
+            )
             self.engine.abandon()
             return INCIDENT
         culprits: list[int] = []
@@ -546,22 +565,64 @@ class Guard:
         if self._probe_judges_grads:
             grads = self.engine.grads()  # local: the re-run ran without gradient sync
             bad = bad or (bool(grads) and not bool(torch.isfinite(grad_norm(grads))))
+        if self._probe_steps == 0 and self._locator is not None:
+            # Only a rank that re-ran its own samples (not a filler) has a location.
+            self._located = self._locator.result if self._probe.current is not None else None
+            self._locator = None
         self._probe.record(bad)
         self._probe_steps += 1
         self.engine.abandon()
         if self.comm.all_reduce_max(int(self._probe.pending)):
             return PROBE
         gathered = self.comm.all_gather_object(
-            {"culprits": self._probe.culprits, "reproduced": self._probe.reproduced}
+            {
+                "culprits": self._probe.culprits,
+                "reproduced": self._probe.reproduced,
+                "located": self._located,
+            }
         )
-        assert self._open is not None
-        self._open.reproduced = any(g["reproduced"] for g in gathered)
-        self._open.probe_steps = self._probe_steps
-        self._probe = None
-        self._recover(sorted({i for g in gathered for i in g["culprits"]}))
+        inc = self._open
+        assert inc is not None
+        inc.reproduced = any(g["reproduced"] for g in gathered)
+        inc.probe_steps = self._probe_steps
+        self._probe, self._located = None, None
+        q = self.policy.quarantine
+        culprits = sorted({i for g in gathered for i in g["culprits"]}) if q.enabled else []
+        cut_lr = True
+        if self.policy.diagnose.rerun:
+            cut_lr = self._diagnosis(inc, gathered)
+        self._recover(culprits, cut_lr=cut_lr)
         return PROBE
 
-    def _recover(self, culprits: list[int]) -> None:
+    def _diagnosis(self, inc: Incident, gathered: list[dict[str, Any]]) -> bool:
+        """Classify the incident from the re-runs, journal it with the evidence, and act on
+        a transient one (health checks). Returns whether to cut the LR."""
+        inc.classification = "deterministic" if inc.reproduced else "transient"
+        where = [
+            {**g["located"], "rank": r} for r, g in enumerate(gathered) if g["located"] is not None
+        ]
+        if where:
+            inc.origin_module = where[0]["module"]
+        self._event(
+            "diagnosis",
+            incident_step=inc.step,
+            classification=inc.classification,
+            located=where,
+            origin_ranks=inc.origin_ranks,
+            batch_ids=self.comm.all_gather_object(self._step_ids),
+        )
+        if inc.classification == "transient":
+            # Suspect hardware, not data: nothing is quarantined (no sample reproduces it).
+            if self.health is not None and not self.policy.health.on_incident:
+                self._check_health(f"transient incident at step {inc.step}")
+            return self.policy.diagnose.transient_lr_cut
+        return True
+
+    def _nan_armed(self, f: NanModuleFault) -> bool:
+        rerun_of = self._open.step if self._probe is not None and self._open else None
+        return self.faults.nan_module_armed(f, self.global_step, rerun_of)
+
+    def _recover(self, culprits: list[int], cut_lr: bool = True) -> None:
         """Quarantine, roll back, adjust. Identical on every rank (inputs are agreed)."""
         inc = self._open
         assert inc is not None and self._sampler is not None
@@ -604,11 +665,11 @@ class Guard:
             ),
         )
         inc.rolled_back_to = target.step
-        inc.lr_multiplier = self.adjuster.on_incident()
+        inc.lr_multiplier = self.adjuster.on_incident() if cut_lr else self.adjuster.multiplier()
         inc.loss_scale_factor = scale_factor
         self._event(
             "adjust",
-            phase="cut",
+            phase="cut" if cut_lr else "kept",
             lr_multiplier=inc.lr_multiplier,
             hold_steps=adjust.hold_steps,
             rewarm_steps=adjust.rewarm_steps,

@@ -16,6 +16,8 @@ class Incident:
     started_at: float
     per_rank: list[dict[str, bool]] = field(default_factory=list)
     reproduced: bool | None = None  # None: not re-run (isolation off or not applicable)
+    classification: str | None = None  # transient | deterministic (diagnose.rerun)
+    origin_module: str | None = None  # first module with a non-finite output / gradient
     quarantined: list[int] = field(default_factory=list)
     rolled_back_to: int | None = None
     lr_multiplier: float = 1.0
@@ -39,7 +41,8 @@ class Incident:
             f"INCIDENT at step {self.step}: {self.reason}",
             f"  global loss {self.loss:.6g}, grad norm {self.grad_norm:.6g}; "
             f"origin rank(s): {origin}",
-            f"  re-run of the step ({self.probe_steps} probe passes): {verdict}",
+            f"  re-run of the step ({self.probe_steps} probe passes): {verdict}"
+            + (f"; born in {self.origin_module}" if self.origin_module else ""),
             f"  quarantined samples: {self.quarantined if self.quarantined else 'none'}",
             f"  rolled back to step {self.rolled_back_to}; LR multiplier now {self.lr_multiplier:g}"
             + (f", loss scale x{self.loss_scale_factor:g}" if self.loss_scale_factor != 1 else ""),

@@ -18,11 +18,12 @@ class Bisection:
     are both clean (the samples only fail together) is quarantined whole.
     """
 
-    def __init__(self, suspects: list[int], filler: list[int]) -> None:
+    def __init__(self, suspects: list[int], filler: list[int], split: bool = True) -> None:
         self.queue: list[tuple[list[int], dict[str, Any] | None]] = (
             [(suspects, None)] if suspects else []
         )
         self.filler = filler
+        self.split = split  # False: only re-run the whole step; if it fails, all of it
         self.culprits: list[int] = []
         self.reproduced = False
         self.current: tuple[list[int], dict[str, Any] | None] | None = None
@@ -37,7 +38,7 @@ class Bisection:
         ids, parent = self.current
         if parent is None:
             self.reproduced = bad
-        if bad and len(ids) == 1:
+        if bad and (len(ids) == 1 or not self.split):
             self.culprits += ids
         elif bad:
             node = {"ids": ids, "pending": 2, "bad": 0}

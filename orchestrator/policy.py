@@ -185,6 +185,11 @@ class DiagnosePolicy(_Section):
         "'deterministic', and a second re-run with hooks names the first module whose "
         "output (forward) or gradient (backward) is non-finite.",
     )
+    transient_lr_cut: bool = Field(
+        False,
+        description="Cut the LR after a transient incident too (with rerun on; a one-off "
+        "hardware fault says nothing about the LR). Deterministic ones always cut it.",
+    )
 
 
 class PersistPolicy(_Section):

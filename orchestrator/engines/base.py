@@ -18,6 +18,8 @@ from orchestrator.snapshot import Snapshot
 
 
 class Engine(ABC):
+    #: The model as the user built it (unwrapped): forensics hooks and faults attach here.
+    core: torch.nn.Module
     #: True when every rank holds the full, already-reduced gradient (single process, DDP):
     #: the packed grad-norm^2 SUM is then divided by the world size instead of summed shards.
     grads_replicated: bool = True

@@ -115,6 +115,7 @@ class DeepSpeedEngine(Engine):
         import deepspeed
 
         self.ds = ds
+        self.core = ds.module
         self.version = deepspeed.__version__
         _, zero3 = _zero_classes()
         self.stage3 = isinstance(ds.optimizer, zero3)

@@ -1,0 +1,101 @@
+"""NaN forensics: where in the model a reproducible non-finite value is born.
+
+On an incident with ``diagnose.rerun``, the first isolation re-run of the bad step (the
+whole step, on the origin ranks) runs with a hook on every submodule, attached for that
+re-run only: the first module, in execution order, whose forward output holds a non-finite
+value is the origin; if every output was finite, the first module in backward order whose
+input gradient is non-finite (where the re-run runs backward). Cost: zero in healthy steps
+(no hook exists then), a few microseconds per module during that one re-run.
+
+Also the ``nan_module`` fault: a forward hook that turns a named module's output NaN at a
+given step (and in the re-runs of that step's incident), a deterministic origin to find.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from orchestrator.errors import PolicyError
+
+
+def _nonfinite(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.is_floating_point() and not bool(torch.isfinite(obj).all())
+    if isinstance(obj, (tuple, list)):
+        return any(_nonfinite(o) for o in obj)
+    if isinstance(obj, dict):
+        return any(_nonfinite(o) for o in obj.values())
+    return False
+
+
+class ModuleLocator:
+    """Hooks on every named submodule of ``root`` while attached (a context manager)."""
+
+    def __init__(self, root: nn.Module, backward: bool) -> None:
+        self.root = root
+        self.backward = backward
+        self.forward_hit: str | None = None
+        self.backward_hit: str | None = None
+        self._handles: list[RemovableHandle] = []
+
+    def __enter__(self) -> ModuleLocator:
+        for name, module in self.root.named_modules():
+            if not name:
+                continue  # the root's output is the loss's input: not a location
+            self._handles.append(module.register_forward_hook(self._on_forward(name)))
+            if self.backward:
+                self._handles.append(module.register_full_backward_hook(self._on_backward(name)))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _on_forward(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if self.forward_hit is None and _nonfinite(output):
+                self.forward_hit = name
+
+        return hook
+
+    def _on_backward(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
+            if self.backward_hit is None and _nonfinite(grad_input):
+                self.backward_hit = name
+
+        return hook
+
+    @property
+    def result(self) -> dict[str, str] | None:
+        if self.forward_hit is not None:
+            return {"module": self.forward_hit, "direction": "forward"}
+        if self.backward_hit is not None:
+            return {"module": self.backward_hit, "direction": "backward"}
+        return None
+
+
+def install_nan_module(root: nn.Module, module: str, armed: Callable[[], bool]) -> RemovableHandle:
+    """The ``nan_module`` fault: ``module``'s output turns NaN whenever ``armed()``."""
+    modules = dict(root.named_modules())
+    if module not in modules:
+        near = [n for n in modules if n.split(".")[-1] == module.split(".")[-1]][:5]
+        raise PolicyError(
+            f"faults: nan_module names module {module!r}, which the model does not have"
+            + (f" (similar: {near})" if near else "")
+            + "; use a name from model.named_modules()"
+        )
+
+    def hook(mod: nn.Module, inputs: Any, output: Any) -> Any:
+        if not armed():
+            return None
+        if isinstance(output, tuple):  # e.g. MultiheadAttention: (output, weights)
+            return (output[0] * float("nan"), *output[1:])
+        return output * float("nan")
+
+    return modules[module].register_forward_hook(hook)
