@@ -13,7 +13,8 @@ given step (and in the re-runs of that step's incident), a deterministic origin 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -99,3 +100,26 @@ def install_nan_module(root: nn.Module, module: str, armed: Callable[[], bool]) 
         return output * float("nan")
 
     return modules[module].register_forward_hook(hook)
+
+
+def low_precision(root: nn.Module) -> bool:
+    """The model holds fp16 or bf16 parameters (what the fp32 re-run can tell apart)."""
+    return any(p.dtype in (torch.float16, torch.bfloat16) for p in root.parameters())
+
+
+@contextlib.contextmanager
+def full_precision(root: nn.Module) -> Iterator[None]:
+    """fp32 copies of every low-precision parameter and buffer, autocast off, for one
+    forward; the originals (same tensors, same storage) are back afterwards."""
+    saved = []
+    for t in [*root.parameters(), *root.buffers()]:
+        if t.is_floating_point() and t.dtype != torch.float32:
+            saved.append((t, t.data))
+            t.data = t.data.float()
+    device = next(root.parameters()).device.type
+    try:
+        with torch.autocast(device, enabled=False):
+            yield
+    finally:
+        for t, data in saved:
+            t.data = data

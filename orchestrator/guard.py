@@ -44,7 +44,12 @@ from orchestrator.detect import (
     grad_norm,
     pack_local,
 )
-from orchestrator.diagnose import ModuleLocator, install_nan_module
+from orchestrator.diagnose import (
+    ModuleLocator,
+    full_precision,
+    install_nan_module,
+    low_precision,
+)
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine, TorchEngine
 from orchestrator.engines.fsdp import FSDP1Engine, FSDP2Engine, is_fsdp2
@@ -153,6 +158,9 @@ class Guard:
         self._open: Incident | None = None
         self._locator: ModuleLocator | None = None  # forensics hooks for the next re-run
         self._located: dict[str, str] | None = None
+        self._fp32_ids: list[int] | None = None  # the fp32 re-run to do next (forensics)
+        self._fp32_running = False
+        self._precision: str | None = None  # this rank's fp32 re-run verdict
         self._reset_iter = True
         self._closed = False
 
@@ -262,11 +270,17 @@ class Guard:
         it: Iterator[Any] | None = None
         while True:
             if self._probe is not None:
-                ids = self._probe.next_group()
+                fp32, self._fp32_ids = self._fp32_ids, None
+                ids = fp32 if fp32 is not None else self._probe.next_group()
                 batch = loader.collate_fn([loader.dataset[i] for i in ids])
                 self._begin_batch(ids)
                 # Forensics hooks exist only during the first re-run (the whole step).
-                hooks = self._locator if self._probe_steps == 0 else None
+                hooks: contextlib.AbstractContextManager[Any] | None = (
+                    self._locator if self._probe_steps == 0 else None
+                )
+                if fp32 is not None:
+                    self._fp32_running = True
+                    hooks = full_precision(self.engine.core)
                 with self.engine.local_grads(), hooks or contextlib.nullcontext():
                     yield batch
                 self._end_batch()
@@ -332,7 +346,7 @@ class Guard:
         else:
             self._loss = detached
         self._phase = "backward"
-        if not real and not self._probe_judges_grads:
+        if not real and (self._fp32_running or not self._probe_judges_grads):
             return  # an isolation re-run judged by its loss alone needs no gradients
         if real and self.engine.poison_before_backward and self.faults.grad_fault(self.global_step):
             self.engine.poison_grad()
@@ -562,30 +576,50 @@ class Guard:
     def _probe_step(self) -> str:
         assert self._probe is not None and self._loss is not None
         bad = not bool(torch.isfinite(self._loss).all())
+        own = self._probe.current is not None  # this rank re-ran its own samples
+        if self._fp32_running:  # the forensics fp32 re-run: judged by its loss alone
+            self._fp32_running = False
+            self._precision = ("data_or_model" if bad else "precision") if own else None
+            self._probe_steps += 1
+            return self._probe_continue()
         if self._probe_judges_grads:
             grads = self.engine.grads()  # local: the re-run ran without gradient sync
             bad = bad or (bool(grads) and not bool(torch.isfinite(grad_norm(grads))))
         if self._probe_steps == 0 and self._locator is not None:
-            # Only a rank that re-ran its own samples (not a filler) has a location.
-            self._located = self._locator.result if self._probe.current is not None else None
+            self._located = self._locator.result if own else None
             self._locator = None
+            # A reproducible NaN in a low-precision model: once more in fp32 (every rank
+            # together; the ranks without suspects re-run their filler).
+            if self.comm.all_reduce_max(int(bad and own)) and self._fp32_capable():
+                current = self._probe.current
+                self._fp32_ids = current[0] if current is not None else self._probe.filler
         self._probe.record(bad)
         self._probe_steps += 1
+        return self._probe_continue()
+
+    def _fp32_capable(self) -> bool:
+        """An fp32 copy of the model can run here: plain PyTorch or DDP (not sharded state,
+        whose dtype the engine owns), with fp16/bf16 parameters."""
+        return type(self.engine) is TorchEngine and low_precision(self.engine.core)
+
+    def _probe_continue(self) -> str:
+        assert self._probe is not None
         self.engine.abandon()
-        if self.comm.all_reduce_max(int(self._probe.pending)):
+        if self.comm.all_reduce_max(int(self._probe.pending or self._fp32_ids is not None)):
             return PROBE
         gathered = self.comm.all_gather_object(
             {
                 "culprits": self._probe.culprits,
                 "reproduced": self._probe.reproduced,
                 "located": self._located,
+                "precision": self._precision,
             }
         )
         inc = self._open
         assert inc is not None
         inc.reproduced = any(g["reproduced"] for g in gathered)
         inc.probe_steps = self._probe_steps
-        self._probe, self._located = None, None
+        self._probe, self._located, self._precision = None, None, None
         q = self.policy.quarantine
         culprits = sorted({i for g in gathered for i in g["culprits"]}) if q.enabled else []
         cut_lr = True
@@ -597,7 +631,17 @@ class Guard:
     def _diagnosis(self, inc: Incident, gathered: list[dict[str, Any]]) -> bool:
         """Classify the incident from the re-runs, journal it with the evidence, and act on
         a transient one (health checks). Returns whether to cut the LR."""
-        inc.classification = "deterministic" if inc.reproduced else "transient"
+        verdicts = {g["precision"] for g in gathered} - {None}
+        inc.classification = (
+            "transient"
+            if not inc.reproduced
+            # fp32 re-run: still non-finite somewhere -> the data or the model itself
+            else "data_or_model"
+            if "data_or_model" in verdicts
+            else "precision"  # finite in fp32: the low-precision format overflowed
+            if verdicts
+            else "deterministic"
+        )
         where = [
             {**g["located"], "rank": r} for r, g in enumerate(gathered) if g["located"] is not None
         ]

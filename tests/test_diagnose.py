@@ -3,11 +3,13 @@ module and direction; a one-shot NaN is classified transient and nothing is quar
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from conftest import kinds, train
+from conftest import free_port, kinds, run, train
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -52,3 +54,30 @@ def test_one_shot_nan_grad_is_transient(tmp_path: Path) -> None:
     assert adj["details"]["phase"] == "kept"  # a one-off says nothing about the LR
     assert [e["details"]["reason"] for e in kinds(d, "health")] == ["incident at step 25"]
     assert kinds(d, "run_end")[-1]["details"]["steps"] == 40
+
+
+@pytest.mark.parametrize(
+    ("args", "faults", "expected"),
+    [
+        (["--big"], [], "precision"),  # inf in fp16, finite in fp32
+        ([], [{"kind": "poison_sample", "sample": 5}], "data_or_model"),  # NaN at any precision
+    ],
+    ids=["precision", "data_or_model"],
+)
+def test_fp16_forensics_tells_precision_from_data(
+    tmp_path: Path, args: list[str], faults: list[dict[str, object]], expected: str
+) -> None:
+    d = tmp_path / "run"
+    d.mkdir()
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(yaml.safe_dump({"diagnose": {"rerun": True}, "faults": faults}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(Path(__file__).parent / "fp16_model.py"), *args]  # fmt: skip
+    r = run(cmd, env={"RUN_DIR": str(d), "ORCHESTRATOR_POLICY": str(policy)})
+    assert r.returncode == 0, r.stdout[-3000:]
+    (diag,) = kinds(d, "diagnosis")
+    assert diag["details"]["classification"] == expected
+    (q,) = kinds(d, "quarantine")
+    assert q["details"]["samples"] == ([77] if expected == "precision" else [5])
+    assert kinds(d, "run_end")[-1]["details"]["steps"] == 30
