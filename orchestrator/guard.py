@@ -189,12 +189,13 @@ class Guard:
             for f in self.policy.faults
             if isinstance(f, NanModuleFault) and f.rank in (None, self.comm.global_rank)
         ]
-        h = self.policy.health
-        self.health = (
-            HealthChecker(h, self.comm, self.faults, self.run_dir)
-            if h.preflight or h.on_incident
-            else None
+        h, d = self.policy.health, self.policy.diagnose
+        wanted = (
+            h.preflight
+            or h.on_incident
+            or (d.rerun and any("health" in a for a in d.actions.values()))
         )
+        self.health = HealthChecker(h, self.comm, self.faults, self.run_dir) if wanted else None
         if self.comm.rank == 0:
             with open(os.path.join(self.run_dir, "policy.yaml"), "w", encoding="utf-8") as f:
                 yaml.safe_dump(self.policy.model_dump(mode="json"), f, sort_keys=False)
@@ -620,17 +621,20 @@ class Guard:
         inc.reproduced = any(g["reproduced"] for g in gathered)
         inc.probe_steps = self._probe_steps
         self._probe, self._located, self._precision = None, None, None
-        q = self.policy.quarantine
-        culprits = sorted({i for g in gathered for i in g["culprits"]}) if q.enabled else []
-        cut_lr = True
+        actions = {"quarantine", "cut_lr"}  # without forensics: what isolation implies
         if self.policy.diagnose.rerun:
-            cut_lr = self._diagnosis(inc, gathered)
-        self._recover(culprits, cut_lr=cut_lr)
+            actions = self._diagnosis(inc, gathered)
+        elif not inc.reproduced:
+            actions = {"cut_lr"}
+        culprits: list[int] = []
+        if self.policy.quarantine.enabled and "quarantine" in actions:
+            culprits = sorted({i for g in gathered for i in g["culprits"]})
+        self._recover(culprits, cut_lr="cut_lr" in actions)
         return PROBE
 
-    def _diagnosis(self, inc: Incident, gathered: list[dict[str, Any]]) -> bool:
-        """Classify the incident from the re-runs, journal it with the evidence, and act on
-        a transient one (health checks). Returns whether to cut the LR."""
+    def _diagnosis(self, inc: Incident, gathered: list[dict[str, Any]]) -> set[str]:
+        """Classify the incident from the re-runs and journal it with the evidence; run the
+        health checks if its policy actions say so. Returns its actions."""
         verdicts = {g["precision"] for g in gathered} - {None}
         inc.classification = (
             "transient"
@@ -651,16 +655,15 @@ class Guard:
             "diagnosis",
             incident_step=inc.step,
             classification=inc.classification,
+            actions=sorted(self.policy.diagnose.actions[inc.classification]),  # type: ignore[index]
             located=where,
             origin_ranks=inc.origin_ranks,
             batch_ids=self.comm.all_gather_object(self._step_ids),
         )
-        if inc.classification == "transient":
-            # Suspect hardware, not data: nothing is quarantined (no sample reproduces it).
-            if self.health is not None and not self.policy.health.on_incident:
-                self._check_health(f"transient incident at step {inc.step}")
-            return self.policy.diagnose.transient_lr_cut
-        return True
+        actions: set[str] = set(self.policy.diagnose.actions[inc.classification])  # type: ignore[index]
+        if "health" in actions and self.health is not None and not self.policy.health.on_incident:
+            self._check_health(f"{inc.classification} incident at step {inc.step}")
+        return actions
 
     def _nan_armed(self, f: NanModuleFault) -> bool:
         rerun_of = self._open.step if self._probe is not None and self._open else None

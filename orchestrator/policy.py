@@ -13,7 +13,7 @@ import os
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import PolicyError
 
@@ -177,19 +177,39 @@ class HealthPolicy(_Section):
     )
 
 
+Classification = Literal["transient", "deterministic", "precision", "data_or_model"]
+Action = Literal["quarantine", "cut_lr", "health"]
+
+
+def _default_actions() -> dict[Classification, list[Action]]:
+    return {
+        "transient": ["health"],  # suspect hardware: check it; no sample reproduces it
+        "deterministic": ["quarantine", "cut_lr"],
+        "precision": ["quarantine", "cut_lr"],
+        "data_or_model": ["quarantine", "cut_lr"],
+    }
+
+
 class DiagnosePolicy(_Section):
     rerun: bool = Field(
         False,
         description="On an incident, re-run the failed step: not reproducible -> "
-        "'transient' (suspect hardware: health checks, no quarantine); reproducible -> "
-        "'deterministic', and a second re-run with hooks names the first module whose "
-        "output (forward) or gradient (backward) is non-finite.",
+        "'transient'; reproducible -> 'deterministic' (with the first module whose "
+        "output or gradient is non-finite), refined for fp16/bf16 models by an fp32 "
+        "re-run into 'precision' (finite in fp32) or 'data_or_model'.",
     )
-    transient_lr_cut: bool = Field(
-        False,
-        description="Cut the LR after a transient incident too (with rerun on; a one-off "
-        "hardware fault says nothing about the LR). Deterministic ones always cut it.",
+    actions: dict[Classification, list[Action]] = Field(
+        default_factory=_default_actions,
+        description="What each classification does, besides the rollback: quarantine "
+        "(the samples that reproduce it), cut_lr (adjust section), health (run the health "
+        "checks if health.on_incident has not already). A classification left out keeps "
+        "its default.",
     )
+
+    @field_validator("actions")
+    @classmethod
+    def _complete(cls, v: dict[Classification, list[Action]]) -> dict[Classification, list[Action]]:
+        return {**_default_actions(), **v}
 
 
 class PersistPolicy(_Section):

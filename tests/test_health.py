@@ -96,3 +96,20 @@ def test_guard_exits_unhealthy_under_the_supervisor(tmp_path: Path, when: str) -
     assert health_event["details"]["seconds"] < timeout_s
     assert time.monotonic() - t0 < 120
     assert kinds(d, "run_end")[-1]["details"]["status"] == "stopped"
+
+
+def test_slow_rank_below_the_baseline_is_named(tmp_path: Path) -> None:
+    """A first (healthy) pre-flight records the bandwidth baseline in the run directory; a
+    second one with rank 1 four times slower fails bandwidth, naming rank 1."""
+    code, first, out = health(tmp_path, {"health": {"preflight": True}})
+    assert code == 0, out[-3000:]
+    assert (tmp_path / "health" / "health_baseline.json").exists()
+    slow = {
+        "health": {"preflight": True},
+        "faults": [{"kind": "slow_rank", "rank": 1, "factor": 8}],
+    }
+    code, report, out = health(tmp_path, slow)
+    assert code == EXIT_UNHEALTHY, out[-3000:]
+    assert list(report["bad_ranks"]) == ["1"] and "bandwidth" in report["bad_ranks"]["1"][0]
+    assert report["bandwidth_gbps"] < 0.5 * report["baseline_gbps"]
+    assert report["baseline_gbps"] == first["bandwidth_gbps"]
