@@ -95,17 +95,21 @@ def spawn(script: str, nproc: int, args: list[str]) -> dict[str, Any]:
 
 
 def run_or_collect(
-    script: str, args: Any, measure: Any, always_dist: bool = False
+    script: str,
+    args: Any,
+    measure: Any,
+    always_dist: bool = False,
+    nprocs: tuple[int, ...] = (1, 2),
 ) -> list[dict[str, Any]] | None:
     """The shared ``main`` of the benchmarks. As a torchrun worker: measure and report, and
-    return None. Otherwise: run the script at 1 and 2 ranks and return rank 0's results,
+    return None. Otherwise: run the script at each rank count of ``nprocs`` and return rank 0's results,
     or print them as JSON lines (``--json``) and return None."""
     if args.worker:
         init_dist(always=always_dist)
         report(measure(args))
         return None
     passthrough = [a for a in sys.argv[1:] if a != "--json"]
-    results = [spawn(script, nproc, passthrough) for nproc in (1, 2)]
+    results = [spawn(script, nproc, passthrough) for nproc in nprocs]
     if args.json:
         for r in results:
             print(json.dumps(r))

@@ -31,3 +31,23 @@ def test_benchmark_runs(args: list[str]) -> None:
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert [row["world_size"] for row in rows] == [1, 2]
     assert all(v == v for row in rows for v in row.values() if isinstance(v, float))  # no NaN
+
+
+def test_suite_cases_run_and_tabulate() -> None:
+    """The suite's own cases at a tiny size, and its tables built from their results."""
+    sys.path.insert(0, "benchmarks")
+    from suite import tables
+
+    results = []
+    for case in ("snapshot", "detect", "recovery"):
+        r = run([sys.executable, "benchmarks/cases.py", case, "--size", "tiny", "--reps", "1",
+                 "--steps", "2", "--json"], timeout=280)  # fmt: skip
+        assert r.returncode == 0, r.stdout[-3000:]
+        rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+        assert [row["world_size"] for row in rows] == ([1] if case == "recovery" else [1, 2])
+        results += [{"case": case, "size": "tiny", "nproc": row["world_size"], "result": row}
+                    for row in rows]  # fmt: skip
+    md = tables(results)
+    for heading in ("Snapshot stall and restore", "Detection cost", "Recovery"):
+        assert heading in md
+    assert md.count("\n| 0.0M |") == 2  # one snapshot row per world size

@@ -1,0 +1,1 @@
+"""Benchmarks: ratios against the alternatives, measured in the same run (not tests)."""

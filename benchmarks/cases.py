@@ -1,0 +1,363 @@
+"""The measurements of the benchmark suite, one per case, each run in a fresh process under
+torchrun (1 or 2 ranks) by ``python -m benchmarks run``. Model: the example GPT, fp32
+weights + AdamW state. Every case reports rank 0's numbers as one JSON line.
+
+    python benchmarks/cases.py snapshot --size 10M          # 1 and 2 ranks, printed
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _common import SEQ, VOCAB, SyntheticTokens, build, loss_of, run_or_collect
+
+from orchestrator import Guard, parse_policy
+from orchestrator.comm import Comm
+from orchestrator.engines import TorchEngine
+from orchestrator.snapshot import SnapshotRing
+
+#: parameters -> (d_model, layers) of the example GPT (12 d^2 parameters per layer)
+SIZES = {"10M": (256, 12), "100M": (768, 14), "500M": (1536, 17), "tiny": (32, 1)}
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _median(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        _barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _trained(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    d, layers = SIZES[args.size]
+    model, opt = build(d, layers)
+    loss_of(model, torch.randint(VOCAB, (2, SEQ + 1))).backward()
+    opt.step()  # AdamW state exists now
+    opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def _shared_dir(comm: Comm) -> str:
+    return str(comm.broadcast_object(tempfile.mkdtemp(prefix="bench-suite-")))
+
+
+# --- snapshot: limits, stalls, restore, memory ------------------------------------------------
+def snapshot(args: argparse.Namespace) -> dict[str, Any]:
+    comm = Comm()
+    model, opt = _trained(args)
+    engine = TorchEngine(model, opt)
+    params = sum(p.numel() for p in engine.core.parameters())
+    state = {"model": engine.core.state_dict(), "optim": opt.state_dict()}
+    reps = args.reps
+
+    ring = SnapshotRing(keep=2)
+    t0 = time.perf_counter()
+    first = ring.capture(0, engine.state())  # allocates its slot: the first-call cost
+    first_s = time.perf_counter() - t0
+    assert first is not None
+    first.sealed = True
+    ring.capture(1, engine.state())
+    steady_s = _median(lambda: ring.capture(2, engine.state()), reps)
+    snap = ring.snapshots()[-1]
+    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(engine.state()))
+    nbytes = snap.nbytes
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    memcpy_s = _median(lambda: dst.copy_(src), reps)
+    src_np, dst_np = src.numpy(), dst.numpy()
+    memcpy_np_s = _median(lambda: np.copyto(dst_np, src_np), reps)
+
+    base = _shared_dir(comm)
+    n = 0
+
+    def fresh(tag: str) -> str:
+        nonlocal n
+        n += 1
+        return os.path.join(base, f"{tag}-{n}")
+
+    payload = os.urandom(min(nbytes, 1 << 30))
+
+    def raw_write() -> None:
+        path = fresh("raw")
+        if comm.rank == 0:
+            with open(path, "wb") as f:
+                for _ in range(max(1, nbytes // len(payload))):
+                    f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+        _barrier()
+
+    disk_s = _median(raw_write, max(1, reps // 2))
+
+    save_path = ""
+
+    def torch_save() -> None:
+        nonlocal save_path
+        save_path = str(comm.broadcast_object(fresh("torchsave")))
+        if comm.rank == 0:  # replicated state: one writer, the others wait (a DDP job)
+            with open(save_path, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        _barrier()
+
+    torch_save_s = _median(torch_save, reps)
+    dcp_path = ""
+
+    def dcp_save() -> None:
+        nonlocal dcp_path
+        dcp_path = str(comm.broadcast_object(fresh("dcp")))
+        dcp.save(state, checkpoint_id=dcp_path)
+
+    dcp_save_s = _median(dcp_save, reps)
+    async_pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    stalls, totals = [], []
+    for _ in range(reps):
+        path = comm.broadcast_object(fresh("adcp"))
+        _barrier()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(state, checkpoint_id=path, process_group=async_pg)
+        stalls.append(time.perf_counter() - t0)
+        fut.result()
+        totals.append(time.perf_counter() - t0)
+
+    # Restore: ours (the rollback's copy back), torch.load + load_state_dict, dcp.load.
+    restore_s = _median(lambda: engine.restore(snap, 1.0), reps)
+
+    def torch_load() -> None:
+        loaded = torch.load(save_path, weights_only=True)
+        engine.core.load_state_dict(loaded["model"])
+        opt.load_state_dict(loaded["optim"])
+
+    torch_load_s = _median(torch_load, reps)
+    dcp_load_s = _median(lambda: dcp.load(state, checkpoint_id=dcp_path), reps)
+    _barrier()
+    if comm.rank == 0:
+        shutil.rmtree(base, ignore_errors=True)
+    mib = nbytes / 2**20
+    return {
+        "params_m": params / 1e6,
+        "state_mb": mib,
+        "memcpy_ms": memcpy_s * 1e3,
+        "memcpy_numpy_ms": memcpy_np_s * 1e3,
+        "disk_write_gbps": nbytes / disk_s / 1e9,
+        "ours_first_ms": first_s * 1e3,
+        "ours_ms": steady_s * 1e3,
+        "torch_save_ms": torch_save_s * 1e3,
+        "dcp_save_ms": dcp_save_s * 1e3,
+        "async_save_stall_ms": statistics.median(stalls) * 1e3,
+        "async_save_total_ms": statistics.median(totals) * 1e3,
+        "ours_restore_ms": restore_s * 1e3,
+        "torch_load_ms": torch_load_s * 1e3,
+        "dcp_load_ms": dcp_load_s * 1e3,
+        "ring_slot_over_state": nbytes / state_bytes,
+    }
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+# --- detection cost per step ------------------------------------------------------------------
+def detect(args: argparse.Namespace) -> dict[str, Any]:
+    """Step time with no check, ours, per-module output hooks, anomaly mode: interleaved
+    step by step (drift hits all alike), medians; and our check alone, many repetitions."""
+    comm = Comm()
+    model, opt = _trained(args)
+    ds = SyntheticTokens(100_000, SEQ, VOCAB)
+    run_dir = _shared_dir(comm)
+    policy = parse_policy({"snapshot": {"every_steps": 10**9}, "persist": {"enabled": False}})
+    guard = Guard(policy, model=model, optimizer=opt, run_dir=run_dir)
+    loader = guard.dataloader(ds, batch_size=args.batch_size)
+    batches = guard.batches(loader, max_steps=10**9)
+    plain_it = iter(torch.utils.data.DataLoader(ds, batch_size=args.batch_size))
+
+    def plain() -> None:
+        loss_of(model, next(plain_it)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def ours() -> None:
+        loss = loss_of(model, next(batches))
+        guard.backward(loss)
+        guard.step()
+
+    handles: list[Any] = []
+
+    def hooked() -> None:
+        for m in model.modules():  # what a per-module NaN hunt does: a sync per module
+            handles.append(m.register_forward_hook(_check_output))
+        try:
+            plain()
+        finally:
+            for h in handles:
+                h.remove()
+            handles.clear()
+
+    def anomaly() -> None:
+        with torch.autograd.set_detect_anomaly(True, check_nan=True):
+            plain()
+
+    modes = {"none": plain, "ours": ours, "hooks": hooked, "anomaly": anomaly}
+    times: dict[str, list[float]] = {k: [] for k in modes}
+    for fn in modes.values():  # warm-up
+        fn()
+    for _ in range(args.steps):
+        for name, fn in modes.items():
+            _barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    guard.close()
+    step = {k: statistics.median(v) for k, v in times.items()}
+    from orchestrator.detect import pack_local
+
+    loss = loss_of(model, next(plain_it))
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    comm.all_reduce_sum_(pack_local(loss, grads, True)).tolist()
+    reps = 200
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        comm.all_reduce_sum_(pack_local(loss, grads, True)).tolist()
+    check_s = (time.perf_counter() - t0) / reps
+    _barrier()
+    if comm.rank == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    base = step["none"]
+    return {
+        "step_ms": base * 1e3,
+        "ours_pct": 100 * (step["ours"] - base) / base,
+        "hooks_pct": 100 * (step["hooks"] - base) / base,
+        "anomaly_pct": 100 * (step["anomaly"] - base) / base,
+        "check_ms": check_s * 1e3,
+        "check_pct": 100 * check_s / base,
+    }
+
+
+def _check_output(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+    if isinstance(output, torch.Tensor) and not bool(torch.isfinite(output).all()):
+        raise FloatingPointError(type(module).__name__)
+
+
+# --- recovery: in-process vs a restart --------------------------------------------------------
+RESTART = """
+import sys, time, torch
+t0 = time.perf_counter()
+sys.path.insert(0, {bench!r})
+from _common import build, loss_of, VOCAB, SEQ
+d, layers, path, how = {d}, {layers}, {path!r}, {how!r}
+model, opt = build(d, layers)
+if how == "torch.save":
+    state = torch.load(path, weights_only=True)
+    model.load_state_dict(state["model"]); opt.load_state_dict(state["optim"])
+else:
+    from orchestrator.persist import DurableStore
+    store = DurableStore(path)
+    tree = store.load_part(store.committed_steps()[0], 0)
+    model.load_state_dict(tree["model"]); opt.load_state_dict(tree["optim"])
+loss_of(model, torch.randint(VOCAB, (2, SEQ + 1))).backward(); opt.step()
+print("RESTART_S", time.perf_counter() - t0)
+"""
+
+
+def recovery(args: argparse.Namespace) -> dict[str, Any]:
+    """Incident -> next completed step: in-process rollback (Guard, 1 step replayed) vs a
+    fresh process that reloads the newest durable snapshot (ours, or torch.save) and runs
+    one step. Single process: a restart's cost is per process."""
+    d, layers = SIZES[args.size]
+    model, opt = build(d, layers)
+    run_dir = tempfile.mkdtemp(prefix="bench-recovery-")
+    policy = parse_policy(
+        {
+            "snapshot": {"every_steps": 2},
+            "persist": {"every_steps": 2},
+            "quarantine": {"enabled": False},
+            "health": {"on_incident": False},
+            "faults": [{"kind": "nan_grad", "step": 5, "rank": 0}],
+        }
+    )
+    guard = Guard(policy, model=model, optimizer=opt, run_dir=run_dir)
+    loader = guard.dataloader(SyntheticTokens(4096, SEQ, VOCAB), batch_size=2)
+    t_inc = in_process = None
+    for batch in guard.batches(loader, max_steps=8):
+        guard.backward(loss_of(model, batch))
+        outcome = guard.step()
+        if outcome == "incident":
+            t_inc = time.perf_counter()
+        elif outcome == "commit" and t_inc is not None and in_process is None:
+            in_process = time.perf_counter() - t_inc
+    guard.close()
+    assert in_process is not None
+    save_path = os.path.join(run_dir, "state.pt")
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, save_path)
+    restarts = {}
+    for how, path in (("ours", os.path.join(run_dir, "snapshots")), ("torch.save", save_path)):
+        code = RESTART.format(
+            bench=str(Path(__file__).resolve().parent), d=d, layers=layers, path=path, how=how
+        )
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr[-2000:])
+        restarts[how] = time.perf_counter() - t0
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {
+        "in_process_s": in_process,
+        "restart_ours_s": restarts["ours"],
+        "restart_torch_save_s": restarts["torch.save"],
+    }
+
+
+CASES = {"snapshot": snapshot, "detect": detect, "recovery": recovery}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("case", choices=sorted(CASES))
+    ap.add_argument("--size", default="10M", choices=sorted(SIZES))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10, help="detect: interleaved steps")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    def measure(a: argparse.Namespace) -> dict[str, Any]:
+        return {"case": a.case, "size": a.size, "world_size": Comm().world_size, **CASES[a.case](a)}
+
+    nprocs = (1,) if args.case == "recovery" else (1, 2)  # a restart's cost is per process
+    results = run_or_collect(__file__, args, measure, nprocs=nprocs)
+    for r in results or []:
+        print(r)
+
+
+if __name__ == "__main__":
+    main()
