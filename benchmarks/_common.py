@@ -102,8 +102,8 @@ def run_or_collect(
     nprocs: tuple[int, ...] = (1, 2),
 ) -> list[dict[str, Any]] | None:
     """The shared ``main`` of the benchmarks. As a torchrun worker: measure and report, and
-    return None. Otherwise: run the script at each rank count of ``nprocs`` and return rank 0's results,
-    or print them as JSON lines (``--json``) and return None."""
+    return None. Otherwise: run the script at each rank count of ``nprocs`` and return rank
+    0's results, or print them as JSON lines (``--json``) and return None."""
     if args.worker:
         init_dist(always=always_dist)
         report(measure(args))

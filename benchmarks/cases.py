@@ -84,6 +84,7 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
 
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)  # first touch of the pages is not part of a copy
     memcpy_s = _median(lambda: dst.copy_(src), reps)
     src_np, dst_np = src.numpy(), dst.numpy()
     memcpy_np_s = _median(lambda: np.copyto(dst_np, src_np), reps)

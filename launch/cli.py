@@ -140,9 +140,25 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from launch.status import render
+    from launch.status import follow, render
 
+    if args.follow:
+        return follow(args.run_dir, args.interval)
     print(render(args.run_dir))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from launch.report import write_report
+
+    if not os.path.isdir(args.run_dir):
+        print(f"{args.run_dir}: no such run directory", file=sys.stderr)
+        return EXIT_INVALID
+    md, png = write_report(args.run_dir, args.out)
+    print(f"wrote {md}" + (f" and {png}" if png else ""))
+    if png is None:
+        print("no plot: see the note at the top of the report (pip install -e '.[report]' "
+              "for matplotlib)")  # fmt: skip
     return 0
 
 
@@ -190,7 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
     he.set_defaults(func=_health)
     st = sub.add_parser("status", help="one screen on a run: attempts, ranks, incidents")
     st.add_argument("run_dir")
+    st.add_argument("--follow", action="store_true", help="refresh in place until the run ends")
+    st.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     st.set_defaults(func=_status)
+    rp = sub.add_parser(
+        "report", help="report.md (timeline, totals, quarantine) and report.png of a run"
+    )
+    rp.add_argument("run_dir")
+    rp.add_argument("--out", help="directory for the report (default: the run directory)")
+    rp.set_defaults(func=_report)
     de = sub.add_parser(
         "demo", help="2 CPU ranks under the supervisor: a NaN and a crash, recovered"
     )

@@ -67,3 +67,18 @@ def render(run_dir: str) -> str:
 def _brief(details: dict[str, object]) -> str:
     keep = ("reason", "cause", "returncode", "origin_ranks", "stalled_ranks", "why")
     return " ".join(f"{k}={details[k]}" for k in keep if k in details)
+
+
+def follow(run_dir: str, interval: float = 2.0) -> int:
+    """Redraw the status in place every ``interval`` seconds until the supervisor exits
+    (or Ctrl-C)."""
+    try:
+        while True:
+            screen = render(run_dir)
+            print("\x1b[H\x1b[2J" + screen, flush=True)  # home, clear: refresh in place
+            events = list(read_journal(run_dir)) if os.path.isdir(run_dir) else []
+            if events and events[-1]["kind"] in ("supervisor_exit",):
+                return 0
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0

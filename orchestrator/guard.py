@@ -64,6 +64,7 @@ from orchestrator.heartbeat import Heartbeat
 from orchestrator.incident import Incident
 from orchestrator.isolate import Bisection
 from orchestrator.journal import Journal
+from orchestrator.metrics import Metrics
 from orchestrator.persist import PersistError
 from orchestrator.policy import NanModuleFault, Policy, load_policy
 from orchestrator.quarantine import LEDGER_NAME, Ledger
@@ -181,6 +182,7 @@ class Guard(IncidentPipeline):
         self._old_handlers: dict[int, Any] = {}
 
         self._check_memory()
+        self.metrics = Metrics(self.policy.metrics, self.run_dir, self.attempt, self.comm.rank == 0)
         self._fault_hooks = [
             install_nan_module(self.engine.core, f.module, functools.partial(self._nan_armed, f))
             for f in self.policy.faults
@@ -380,6 +382,8 @@ class Guard(IncidentPipeline):
             self._pos = (self._pos[0], self._next_offset)
             return ACCUMULATE
         self.ring.fence()  # snapshot copies in flight must land before anything mutates
+        if self.comm.rank == 0 and self.metrics.ratio_due(self.global_step):
+            self.metrics.before_update(self._ratio_params())
         self.faults.process_faults(self.global_step)
         if not self.engine.poison_before_backward and self.faults.grad_fault(self.global_step):
             self.engine.poison_grad()
@@ -405,7 +409,7 @@ class Guard(IncidentPipeline):
             reason = "nonfinite_loss"
         elif vals[GRAD_NONFINITE] > 0:
             if self.engine.has_loss_scaler:
-                return self._commit(OVERFLOW_SKIP)
+                return self._commit(OVERFLOW_SKIP, gloss, gnorm)
             reason = "nonfinite_grads"
         else:
             spike = self.spikes.check({"loss": gloss, "grad_norm": gnorm})
@@ -413,7 +417,7 @@ class Guard(IncidentPipeline):
                 reason = f"spike_{spike[0]}"
         if reason is not None:
             return self._incident(reason, gloss, gnorm)
-        return self._commit(COMMIT)
+        return self._commit(COMMIT, gloss, gnorm)
 
     def close(self, persist: bool = True) -> None:
         """Finish the run: persist its final state (``persist`` and between steps only),
@@ -426,6 +430,7 @@ class Guard(IncidentPipeline):
             self.heartbeat.beat(self.global_step, phase="closing", force=True)
             self._persist_final()
         self.durable.close()
+        self.metrics.flush()
         if self.health is not None:
             self.health.close()
         self.heartbeat.beat(self.global_step, phase="done", force=True)
@@ -463,8 +468,11 @@ class Guard(IncidentPipeline):
             )
         self._phase = "idle"
 
-    def _commit(self, outcome: str) -> str:
-        self.engine.commit(self.adjuster.multiplier())
+    def _commit(self, outcome: str, loss: float, grad_norm: float) -> str:
+        mult = self.adjuster.multiplier()
+        self.engine.commit(mult)
+        if self.metrics.due(self.global_step) or self.metrics.ratio_due(self.global_step):
+            self._record_metrics(outcome, loss, grad_norm, mult)
         self._recent.append((self.global_step, self._step_positions))
         self._pos = (self._pos[0], self._next_offset)
         self._new_step()
@@ -476,6 +484,41 @@ class Guard(IncidentPipeline):
         if phase is not None:
             self._event("adjust", phase=phase, lr_multiplier=self.adjuster.multiplier())
         return outcome
+
+    def _record_metrics(self, outcome: str, loss: float, grad_norm: float, mult: float) -> None:
+        """Rank 0: one metrics row (values already on the host) and, when due, the
+        update-to-weight ratio of the step just applied."""
+        ratio = self.metrics.update_ratio(self._ratio_params()) if self.comm.rank == 0 else None
+        if ratio is not None and self.metrics.low_streak(ratio):
+            m = self.policy.metrics
+            self._event(
+                "update_ratio_low",
+                ratio=ratio,
+                threshold=m.update_ratio_warn,
+                measurements=m.update_ratio_patience,
+                hint="updates are tiny next to the weights (a bf16 stall?): check the LR "
+                "and that the optimizer keeps fp32 master weights",
+            )
+        if self.comm.rank == 0 and self.metrics.due(self.global_step):
+            lr = self.engine.lr()
+            self.metrics.record(
+                self.global_step,
+                loss=loss,
+                grad_norm=grad_norm,
+                lr=None if lr is None else lr * mult,
+                loss_scale=self.engine.loss_scale(),
+                update_ratio=ratio,
+                outcome=outcome,
+            )
+
+    def _ratio_params(self) -> list[torch.Tensor]:
+        """Rank 0's own parameter storage (its shard under FSDP2 or ZeRO-3)."""
+        out = []
+        for p in self.engine.core.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.numel() > 0:
+                out.append(local)
+        return out
 
     def _new_step(self) -> None:
         self._micro, self._step_positions, self._step_ids = 0, [], []

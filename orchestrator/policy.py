@@ -143,6 +143,27 @@ class EscalationPolicy(_Section):
     window_steps: int = Field(500, ge=1, description="Sliding window for the incident budget.")
 
 
+class MetricsPolicy(_Section):
+    enabled: bool = Field(True, description="Write RUN_DIR/metrics.jsonl (rank 0).")
+    every_steps: int = Field(1, ge=1, description="Record every this many steps.")
+    flush_every: int = Field(50, ge=1, description="Buffered lines written at a time...")
+    flush_s: float = Field(
+        5.0, gt=0, description="...or sooner, once this many seconds passed (a crash loses less)."
+    )
+    update_ratio_every: int = Field(
+        100,
+        ge=0,
+        description="Measure the update-to-weight ratio every this many steps (0: never; "
+        "costs one copy of rank 0's weights then).",
+    )
+    update_ratio_warn: float = Field(
+        1e-3, gt=0, description="Journal update_ratio_low when the ratio stays below this"
+    )
+    update_ratio_patience: int = Field(
+        3, ge=1, description="...for this many measurements in a row (a silent bf16 stall)."
+    )
+
+
 class HealthPolicy(_Section):
     preflight: bool = Field(
         False,
@@ -417,6 +438,7 @@ class Policy(_Section):
     adjust: AdjustPolicy = Field(default_factory=AdjustPolicy)  # type: ignore[arg-type]
     escalation: EscalationPolicy = Field(default_factory=EscalationPolicy)  # type: ignore[arg-type]
     supervisor: SupervisorPolicy = Field(default_factory=SupervisorPolicy)  # type: ignore[arg-type]
+    metrics: MetricsPolicy = Field(default_factory=MetricsPolicy)  # type: ignore[arg-type]
     health: HealthPolicy = Field(default_factory=HealthPolicy)  # type: ignore[arg-type]
     diagnose: DiagnosePolicy = Field(default_factory=DiagnosePolicy)  # type: ignore[arg-type]
     faults: list[Fault] = Field(

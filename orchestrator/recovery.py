@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from orchestrator.health import HealthChecker
     from orchestrator.heartbeat import Heartbeat
     from orchestrator.journal import Journal
+    from orchestrator.metrics import Metrics
     from orchestrator.policy import Policy
     from orchestrator.quarantine import Ledger
     from orchestrator.snapshot import SnapshotRing
@@ -59,6 +60,7 @@ class IncidentPipeline:
         faults: FaultInjector
         durable: DurableTier
         heartbeat: Heartbeat
+        metrics: Metrics
         incidents: list[Incident]
         rollbacks: int
         global_step: int
@@ -267,6 +269,8 @@ class IncidentPipeline:
             self._recent.pop()
         self._reset_iter = True
         self.rollbacks += 1
+        self.metrics.drop_update()
+        self.metrics.restart_clock()
         self._event(
             "rollback",
             from_step=inc.step,

@@ -111,6 +111,10 @@ class Engine(ABC):
         the step and lowers the scale); only a non-finite loss is an incident."""
         return False
 
+    def lr(self) -> float | None:
+        """The LR of the first parameter group as the scheduler set it (metrics)."""
+        return None
+
     def loss_scale(self) -> float | None:
         """The current loss scale, or None without a loss scaler (journaled on rollback)."""
         return None

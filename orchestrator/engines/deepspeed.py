@@ -142,6 +142,9 @@ class DeepSpeedEngine(Engine):
     def has_loss_scaler(self) -> bool:
         return bool(self.ds.fp16_enabled())
 
+    def lr(self) -> float | None:
+        return float(self.ds.get_lr()[0])
+
     def loss_scale(self) -> float | None:
         return float(self.ds.optimizer.loss_scaler.cur_scale) if self.has_loss_scaler else None
 

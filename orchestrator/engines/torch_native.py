@@ -41,6 +41,9 @@ class TorchEngine(Engine):
     def has_loss_scaler(self) -> bool:
         return self.scaler is not None
 
+    def lr(self) -> float | None:
+        return float(self.optimizer.param_groups[0]["lr"])
+
     def loss_scale(self) -> float | None:
         return float(self.scaler.get_scale()) if self.scaler is not None else None
 

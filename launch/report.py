@@ -1,0 +1,268 @@
+"""`orchestrator report RUN_DIR`: one picture and one page on a run.
+
+report.png: loss and grad norm against the step, the LR on a second axis, incidents as
+vertical lines coloured by classification, rolled-back steps shaded, restarts and durable
+snapshots marked (needs matplotlib: ``pip install -e '.[report]'``). report.md: the
+timeline (time, step, event, evidence, action), the totals, and the quarantine list with
+where each sample id came from. Both from RUN_DIR/journal.jsonl and RUN_DIR/metrics.jsonl
+only: the report works on a finished, crashed or running run alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.journal import JOURNAL_NAME
+from orchestrator.metrics import read_metrics
+
+COLOURS = {
+    "transient": "tab:orange",
+    "deterministic": "tab:red",
+    "precision": "tab:purple",
+    "data_or_model": "tab:brown",
+    None: "tab:red",
+}
+
+
+@dataclass
+class RunRecord:
+    events: list[dict[str, Any]]
+    skipped: list[int] = field(default_factory=list)  # journal lines that did not parse
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+
+    def of(self, *kinds: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["kind"] in kinds]
+
+
+def load(run_dir: str) -> RunRecord:
+    events, skipped = [], []
+    path = os.path.join(run_dir, JOURNAL_NAME)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    events.append(json.loads(line))
+                except json.JSONDecodeError:
+                    skipped.append(n)  # a crash mid-write leaves a torn last line
+    return RunRecord(events, skipped, read_metrics(run_dir))
+
+
+# --- the page -----------------------------------------------------------------------------------
+#: Other events worth a timeline row: details -> (evidence, action).
+OTHER = {
+    "unhealthy": lambda d: (f"ranks {d.get('ranks')} on {d.get('hosts')}", "stopped, exit 72"),
+    "gave_up": lambda d: (str(d.get("why")), "stopped, exit 71"),
+    "preempted": lambda d: (f"snapshot written: {d.get('persisted')}", "stopped, exit 73"),
+    "update_ratio_low": lambda d: (f"update/weight {d.get('ratio', 0):.2g}", "warning"),
+    "persist_failed": lambda d: (str(d.get("error"))[:80], "training went on"),
+}
+
+
+def timeline(rec: RunRecord) -> list[tuple[str, Any, str, str, str]]:
+    """(time, step, event, evidence, action) rows, oldest first."""
+    rows = []
+    recovered = {e["details"]["incident"]["step"]: e for e in rec.of("recovered")}
+    diagnoses = {e["details"]["incident_step"]: e for e in rec.of("diagnosis")}
+    for e in rec.events:
+        k, d = e["kind"], e["details"]
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e["time"])))
+        if k == "incident":
+            evidence = (
+                f"{d['reason']}; loss {d['loss']:.4g}, grad norm {d['grad_norm']:.4g}; "
+                f"origin ranks {d['origin_ranks'] or 'all'}"
+            )
+            diag = diagnoses.get(e["step"])
+            if diag is not None:
+                dd = diag["details"]
+                evidence += f"; {dd['classification']}"
+                if dd["located"]:
+                    loc = dd["located"][0]
+                    evidence += f" in {loc['module']} ({loc['direction']}, rank {loc['rank']})"
+            action = "isolating"
+            if e["step"] in recovered:
+                inc = recovered[e["step"]]["details"]["incident"]
+                action = f"rolled back to {inc['rolled_back_to']}; LR x{inc['lr_multiplier']:g}" + (
+                    f"; quarantined {inc['quarantined']}" if inc["quarantined"] else ""
+                )
+            rows.append((when, e["step"], "incident", evidence, action))
+        elif k == "restart":
+            rows.append(
+                (
+                    when,
+                    e["step"],
+                    "restart",
+                    f"attempt ended: {d['cause']} (exit {d.get('returncode')})",
+                    f"attempt {d['next_attempt']} after {d['delay_s']} s",
+                )
+            )
+        elif k == "resume":
+            rows.append(
+                (
+                    when,
+                    e["step"],
+                    "resume",
+                    f"{d['tier']} snapshot at step {d['snapshot_step']}",
+                    f"training resumed (attempt {e['attempt']})",
+                )
+            )
+        elif k in OTHER:
+            evidence, action = OTHER[k](d)
+            rows.append((when, e["step"], k, evidence, action))
+    return rows
+
+
+def totals(rec: RunRecord) -> dict[str, Any]:
+    rollbacks = rec.of("rollback")
+    lost_steps = sum(
+        int(r["details"]["from_step"]) - int(r["details"]["to_step"]) for r in rollbacks
+    )
+    step_times = [m["step_s"] for m in rec.metrics if m.get("step_s")]
+    step_s = statistics.median(step_times) if step_times else None
+    incident_s = sum(float(e["details"]["incident"]["duration_s"]) for e in rec.of("recovered"))
+    restart_s = 0.0
+    for r in rec.of("restart"):  # from the end of an attempt to the next one's resume
+        resumed = [e for e in rec.of("resume") if e["time"] > r["time"]]
+        if resumed:
+            restart_s += float(resumed[0]["time"]) - float(r["time"])
+    quarantined = sorted({i for q in rec.of("quarantine") for i in q["details"]["samples"]})
+    return {
+        "incidents": len(rec.of("incident")),
+        "rollbacks": len(rollbacks),
+        "restarts": len(rec.of("restart")),
+        "steps_lost_to_rollback": lost_steps,
+        "wall_time_lost_s": round(
+            incident_s + restart_s + (lost_steps * step_s if step_s else 0.0), 2
+        ),
+        "quarantined_samples": len(quarantined),
+        "median_step_s": step_s,
+    }
+
+
+def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | None) -> str:
+    t = totals(rec)
+    out = [f"# Run report: {os.path.abspath(run_dir)}", ""]
+    if rec.skipped:
+        out += [
+            f"> Note: {len(rec.skipped)} journal line(s) could not be read and were skipped "
+            f"(line {', '.join(map(str, rec.skipped))}; a crash mid-write leaves a torn "
+            "last line). Everything before them is reported.",
+            "",
+        ]
+    if png:
+        out += [f"![loss, grad norm and LR with incidents]({os.path.basename(png)})", ""]
+    elif why_no_png:
+        out += [f"> No plot: {why_no_png}", ""]
+    out += ["## Totals", "", "| | |", "|---|---|"]
+    out += [
+        f"| incidents | {t['incidents']} |",
+        f"| rollbacks | {t['rollbacks']} |",
+        f"| restarts | {t['restarts']} |",
+        f"| steps lost to rollback | {t['steps_lost_to_rollback']} |",
+        f"| wall time lost | {t['wall_time_lost_s']} s (incidents, restarts, replayed steps) |",
+        f"| quarantined samples | {t['quarantined_samples']} |",
+        "",
+        "## Timeline",
+        "",
+        "| time | step | event | evidence | action |",
+        "|---|---|---|---|---|",
+    ]
+    out += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in timeline(rec)]
+    out += ["", "## Quarantine", ""]
+    quarantines = rec.of("quarantine")
+    if not quarantines:
+        out.append("No sample was quarantined.")
+    else:
+        out += ["| sample | quarantined at step | why | ledger |", "|---|---|---|---|"]
+        incidents = {e["step"]: e["details"]["reason"] for e in rec.of("incident")}
+        for q in quarantines:
+            why = incidents.get(q["step"], "incident")
+            for i in q["details"]["samples"]:
+                out.append(f"| {i} | {q['step']} | {why} | {q['details'].get('ledger', '')} |")
+    return "\n".join(out) + "\n"
+
+
+# --- the picture --------------------------------------------------------------------------------
+def plot(rec: RunRecord, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    final: dict[int, dict[str, Any]] = {}
+    for m in rec.metrics:  # a replayed step's last record wins: the timeline kept
+        final[int(m["step"])] = m
+    steps = sorted(final)
+    fig, (ax_loss, ax_gn) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    loss = [final[s].get("loss") for s in steps]
+    ax_loss.plot(steps, loss, lw=1, color="tab:blue", label="loss")
+    finite = [v for v in loss if v is not None and v > 0]
+    if finite and max(finite) / min(finite) > 10:
+        ax_loss.set_yscale("log")
+    ax_loss.set_ylabel("loss")
+    lrs = [final[s].get("lr") for s in steps]
+    if any(v is not None for v in lrs):
+        ax_lr = ax_loss.twinx()
+        ax_lr.plot(steps, lrs, lw=1, color="tab:green", alpha=0.7, label="LR")
+        ax_lr.set_ylabel("LR", color="tab:green")
+    gn = [final[s].get("grad_norm") for s in steps]
+    ax_gn.plot(steps, gn, lw=1, color="tab:gray", label="grad norm")
+    if any(v is not None and v > 0 for v in gn):
+        ax_gn.set_yscale("log")
+    ax_gn.set_ylabel("grad norm")
+    ax_gn.set_xlabel("step")
+    classes = {e["details"]["incident_step"]: e["details"]["classification"]
+               for e in rec.of("diagnosis")}  # fmt: skip
+    for ax in (ax_loss, ax_gn):
+        for r in rec.of("rollback"):
+            ax.axvspan(r["details"]["to_step"], r["details"]["from_step"], color="tab:red",
+                       alpha=0.12, lw=0)  # fmt: skip
+        for e in rec.of("incident"):
+            ax.axvline(e["step"], color=COLOURS.get(classes.get(e["step"]), "tab:red"), lw=1.5)
+        for e in rec.of("resume"):
+            ax.axvline(e["details"]["snapshot_step"], color="black", ls="--", lw=1)
+        for e in rec.of("persist"):
+            ax.plot([e["step"]], [0], marker="v", color="tab:blue", ms=5,
+                    transform=ax.get_xaxis_transform(), clip_on=False)  # fmt: skip
+    handles = [
+        plt.Line2D([], [], color="tab:red", lw=1.5, label="incident"),
+        plt.Rectangle((0, 0), 1, 1, color="tab:red", alpha=0.12, label="rolled back"),
+        plt.Line2D([], [], color="black", ls="--", label="restart (resumed step)"),
+        plt.Line2D([], [], color="tab:blue", marker="v", ls="", label="durable snapshot"),
+    ]
+    ax_loss.legend(handles=handles, loc="upper right", fontsize=8)
+    t = totals(rec)
+    fig.suptitle(
+        f"{t['incidents']} incident(s), {t['rollbacks']} rollback(s), {t['restarts']} "
+        f"restart(s), {t['quarantined_samples']} quarantined sample(s)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(run_dir: str, out_dir: str | None = None) -> tuple[str, str | None]:
+    """Write report.md (always) and report.png (with matplotlib); return their paths."""
+    rec = load(run_dir)
+    out_dir = out_dir or run_dir
+    os.makedirs(out_dir, exist_ok=True)
+    png: str | None = os.path.join(out_dir, "report.png")
+    why = None
+    try:
+        if not rec.metrics:
+            raise RuntimeError(f"no {os.path.join(run_dir, 'metrics.jsonl')} (metrics off?)")
+        plot(rec, png)  # type: ignore[arg-type]
+    except ImportError:
+        png, why = None, "matplotlib is not installed: pip install -e '.[report]'"
+    except RuntimeError as err:
+        png, why = None, str(err)
+    md = os.path.join(out_dir, "report.md")
+    with open(md, "w", encoding="utf-8") as f:
+        f.write(markdown(run_dir, rec, png, why))
+    return md, png

@@ -1,0 +1,110 @@
+"""RUN_DIR/metrics.jsonl: per-step training metrics, cheap enough for every step.
+
+Rank 0 of the Guard's group appends one line per recorded step (loss and grad norm as the
+step's all-reduce already gave them, LR, loss scale, step time), buffered and flushed every
+``metrics.flush_every`` lines or ``metrics.flush_s`` seconds. Every
+``metrics.update_ratio_every`` steps it also records the update-to-weight ratio
+||w_after - w_before|| / ||w_after|| of its parameters (its shard under FSDP and ZeRO): a
+silent bf16 stall shows as updates far below 1e-3 of the weights, and the journal says so
+(``update_ratio_low``) when it stays there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from orchestrator.policy import MetricsPolicy
+
+METRICS_NAME = "metrics.jsonl"
+
+
+class Metrics:
+    def __init__(self, policy: MetricsPolicy, run_dir: str, attempt: int, enabled: bool) -> None:
+        self.policy = policy
+        self.enabled = enabled and policy.enabled
+        self.path = os.path.join(run_dir, METRICS_NAME)
+        self.attempt = attempt
+        self._lines: list[str] = []
+        self._last: tuple[float, int] | None = None  # (time, step) of the last row
+        self._before: list[torch.Tensor] | None = None
+        self._low = 0  # consecutive ratios below the threshold
+        self._flushed = time.monotonic()
+
+    # --- per step -----------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return self.enabled and step % self.policy.every_steps == 0
+
+    def ratio_due(self, step: int) -> bool:
+        every = self.policy.update_ratio_every
+        return self.enabled and every > 0 and step % every == 0
+
+    def before_update(self, params: list[torch.Tensor]) -> None:
+        """A copy of the weights before the optimizer step (every update_ratio_every)."""
+        self._before = [p.detach().clone() for p in params]
+
+    def update_ratio(self, params: list[torch.Tensor]) -> float | None:
+        """||w - w_before|| / ||w|| after the step, if ``before_update`` came first."""
+        before, self._before = self._before, None
+        if before is None or not params:
+            return None
+        delta = sum(
+            float((p.detach().float() - b.float()).pow(2).sum())
+            for p, b in zip(params, before, strict=True)
+        )
+        norm = sum(float(p.detach().float().pow(2).sum()) for p in params)
+        return (delta**0.5) / (norm**0.5) if norm > 0 else None
+
+    def drop_update(self) -> None:
+        self._before = None  # the step was not applied (incident)
+
+    def low_streak(self, ratio: float) -> bool:
+        """True once, when the ratio has stayed below the threshold ``patience`` times."""
+        self._low = self._low + 1 if ratio < self.policy.update_ratio_warn else 0
+        return self._low == self.policy.update_ratio_patience
+
+    def record(self, step: int, **values: Any) -> None:
+        now = time.monotonic()
+        step_s = None
+        if self._last is not None and step > self._last[1]:
+            step_s = (now - self._last[0]) / (step - self._last[1])
+        self._last = (now, step)
+        if not self.enabled:
+            return
+        row = {"step": step, "time": time.time(), "attempt": self.attempt, "step_s": step_s}
+        row.update({k: v for k, v in values.items() if v is not None})
+        self._lines.append(json.dumps(row))
+        if (
+            len(self._lines) >= self.policy.flush_every
+            or now - self._flushed >= self.policy.flush_s
+        ):
+            self.flush()
+
+    def restart_clock(self) -> None:
+        """After a rollback or a pause, the next step's time is not a step time."""
+        self._last = None
+
+    def flush(self) -> None:
+        self._flushed = time.monotonic()
+        if self._lines:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write("\n".join(self._lines) + "\n")
+            self._lines = []
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """Every row of RUN_DIR/metrics.jsonl (a torn last line is skipped)."""
+    path = os.path.join(run_dir, METRICS_NAME)
+    rows = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return rows

@@ -1,0 +1,75 @@
+"""Metrics and the run report: `orchestrator report` on the demo's run directory (a NaN and
+a crash-restart), a journal whose last line was torn by a crash, and the update-to-weight
+ratio warning."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from inproc import events, train
+
+from conftest import run
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("demo") / "run"
+    r = run([sys.executable, "-m", "launch.cli", "demo", "--run-dir", str(d)], timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:]
+    return d
+
+
+def report(run_dir: Path, out: Path) -> str:
+    r = run([sys.executable, "-m", "launch.cli", "report", str(run_dir), "--out", str(out)])
+    assert r.returncode == 0, r.stdout[-3000:]
+    return (out / "report.md").read_text()
+
+
+def test_report_of_the_demo(demo: Path, tmp_path: Path) -> None:
+    md = report(demo, tmp_path)
+    png = (tmp_path / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    import matplotlib.image
+
+    height, width = matplotlib.image.imread(str(tmp_path / "report.png")).shape[:2]
+    assert (width, height) == (1100, 700)
+    rows = [line.split(" | ") for line in md.splitlines() if line.startswith("| 20")]
+    incident = [r for r in rows if r[2] == "incident"]
+    assert len(incident) == 1 and incident[0][1] == "37"
+    assert incident[0][4].startswith("rolled back to 30")
+    assert [r[2] for r in rows].count("restart") == 1 and "resume" in [r[2] for r in rows]
+    assert "| incidents | 1 |" in md and "| restarts | 1 |" in md
+    metrics = [json.loads(line) for line in (demo / "metrics.jsonl").read_text().splitlines()]
+    assert {"loss", "grad_norm", "lr", "step"} <= set(metrics[-1])
+    assert max(m["step"] for m in metrics) == 119  # the demo's last step (0-based)
+
+
+def test_report_survives_a_torn_journal_line(demo: Path, tmp_path: Path) -> None:
+    torn = tmp_path / "run"
+    shutil.copytree(demo, torn)
+    lines = (torn / "journal.jsonl").read_text().splitlines()
+    with open(torn / "journal.jsonl", "a") as f:
+        f.write('{"time": 1795400000.0, "kind": "incid')  # a crash mid-write
+    md = report(torn, tmp_path / "out")
+    assert f"1 journal line(s) could not be read and were skipped (line {len(lines) + 1}" in md
+    assert any(" | 37 | incident | " in line for line in md.splitlines())  # the rest is there
+
+
+def test_update_ratio_low_is_journaled(tmp_path: Path) -> None:
+    ok = tmp_path / "ok"
+    train(ok, {"metrics": {"update_ratio_every": 2}}, steps=20)
+    assert events(ok, "update_ratio_low") == []
+    ratios = [json.loads(x).get("update_ratio") for x in (ok / "metrics.jsonl").open()]
+    measured = [r for r in ratios if r is not None]
+    assert len(measured) == 10 and all(1e-3 < r < 1 for r in measured)
+    low = tmp_path / "low"  # a threshold above every ratio: the warning fires, once
+    policy = {"metrics": {"update_ratio_every": 2, "update_ratio_warn": 1.0}}
+    train(low, policy, steps=20)
+    (event,) = events(low, "update_ratio_low")
+    assert event["step"] == 4 and event["details"]["measurements"] == 3
