@@ -506,7 +506,11 @@ class Guard(IncidentPipeline):
                 loss=loss,
                 grad_norm=grad_norm,
                 lr=None if lr is None else lr * mult,
-                loss_scale=self.engine.loss_scale(),
+                # A GradScaler's scale lives on the device: read it now and then, and at
+                # overflows (where it changes), not at every step.
+                loss_scale=self.engine.loss_scale()
+                if outcome == OVERFLOW_SKIP or self.global_step % 50 == 0
+                else None,
                 update_ratio=ratio,
                 outcome=outcome,
             )
