@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,8 @@ RESULT = "RESULT "
 
 __all__ = [
     "SEQ",
+    "barrier",
+    "timed",
     "VOCAB",
     "SyntheticTokens",
     "build",
@@ -49,6 +53,22 @@ def build(d: int, layers: int, fsdp: bool = False) -> tuple[torch.nn.Module, tor
     elif dist.is_initialized():
         model = DDP(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def timed(fn: Any, reps: int) -> float:
+    """Median seconds of ``fn()`` over ``reps`` runs, every rank starting together."""
+    times = []
+    for _ in range(reps):
+        barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:

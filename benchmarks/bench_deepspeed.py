@@ -18,29 +18,18 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import SEQ, VOCAB, SyntheticTokens, TinyGPT, loss_of, run_or_collect
+from _common import SEQ, VOCAB, SyntheticTokens, TinyGPT, loss_of, run_or_collect, timed
 
 from orchestrator import Guard, parse_policy
 from orchestrator.comm import Comm
 from orchestrator.engines.deepspeed import DeepSpeedEngine
 from orchestrator.snapshot import SnapshotRing
-
-
-def _timed(fn: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -68,15 +57,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         engine.step()
 
     train_step()  # optimizer state exists now
-    step_s = _timed(train_step, args.reps)
+    step_s = timed(train_step, args.reps)
 
     adapter = DeepSpeedEngine(engine)
     ring = SnapshotRing(keep=2)
     ring.capture(0, adapter.state()).sealed = True  # allocate both slots
     ring.capture(1, adapter.state())
-    ours_stall = _timed(lambda: ring.capture(2, adapter.state()), args.reps)
+    ours_stall = timed(lambda: ring.capture(2, adapter.state()), args.reps)
     snap = ring.snapshots()[-1]
-    restore_s = _timed(lambda: adapter.restore(snap, 1.0), args.reps)
+    restore_s = timed(lambda: adapter.restore(snap, 1.0), args.reps)
 
     base = comm.broadcast_object(tempfile.mkdtemp(prefix="bench-ds-"))
     n = 0
@@ -86,8 +75,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         n += 1
         engine.save_checkpoint(base, tag=f"t{n}")
 
-    ds_save_s = _timed(save, max(1, args.reps // 2))
-    ds_load_s = _timed(lambda: engine.load_checkpoint(base, tag=f"t{n}"), max(1, args.reps // 2))
+    ds_save_s = timed(save, max(1, args.reps // 2))
+    ds_load_s = timed(lambda: engine.load_checkpoint(base, tag=f"t{n}"), max(1, args.reps // 2))
     dist.barrier()
     if comm.rank == 0:
         shutil.rmtree(base, ignore_errors=True)
@@ -132,6 +121,7 @@ def _guard_recovery(engine: Any, args: argparse.Namespace) -> float:
         elif outcome == "commit" and t_incident is not None and recovery is None:
             recovery = time.perf_counter() - t_incident
     guard.close()
+    dist.barrier()  # every rank is done with the run directory before rank 0 removes it
     if Comm().rank == 0:
         shutil.rmtree(run_dir, ignore_errors=True)
     assert recovery is not None, "the injected NaN did not cause an incident"

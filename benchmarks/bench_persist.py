@@ -24,27 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import SEQ, VOCAB, build, loss_of, run_or_collect
+from _common import SEQ, VOCAB, barrier, build, loss_of, run_or_collect, timed
 
 from orchestrator.comm import Comm
 from orchestrator.persist import DurableStore
 from orchestrator.snapshot import SnapshotRing
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _timed(fn: Any, reps: int) -> float:
-    """Median seconds of ``fn()`` over ``reps`` runs, ranks started together."""
-    times = []
-    for _ in range(reps):
-        _barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -81,11 +65,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ring = SnapshotRing(keep=2)
     ring.capture(0, ours_state).sealed = True  # allocate both slots
     ring.capture(1, ours_state)
-    ours_stall = _timed(lambda: ring.capture(2, ours_state), args.reps)
+    ours_stall = timed(lambda: ring.capture(2, ours_state), args.reps)
     snap = ring.snapshots()[-1]
     src = torch.ones(snap.nbytes, dtype=torch.uint8)
     dst = torch.empty(snap.nbytes, dtype=torch.uint8)
-    memcpy = _timed(lambda: dst.copy_(src), args.reps)
+    memcpy = timed(lambda: dst.copy_(src), args.reps)
 
     # Ours, background: one rank's part (rank 0 holds the replicated state) + commit.
     def ours_write() -> None:
@@ -95,7 +79,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if comm.rank == 0:
             store.commit(snap.step, comm.world_size, "", {}, timeout_s=60)
 
-    ours_write_s = _timed(ours_write, args.reps)
+    ours_write_s = timed(ours_write, args.reps)
     nbytes = snap.nbytes
 
     def torch_save() -> None:
@@ -107,14 +91,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
-        _barrier()
+        barrier()
 
-    torch_save_s = _timed(torch_save, args.reps)
+    torch_save_s = timed(torch_save, args.reps)
 
     def dcp_save() -> None:
         dcp.save(state, checkpoint_id=comm.broadcast_object(fresh("dcp")))
 
-    dcp_save_s = _timed(dcp_save, args.reps)
+    dcp_save_s = timed(dcp_save, args.reps)
 
     # async_save runs its collectives on a background thread: it needs a group of its own,
     # or it deadlocks against the main thread's collectives (what torchtitan does too).
@@ -122,7 +106,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     async_stalls = []
     for _ in range(args.reps):
         path = comm.broadcast_object(fresh("adcp"))
-        _barrier()
+        barrier()
         t0 = time.perf_counter()
         fut = dcp.async_save(state, checkpoint_id=path, process_group=async_pg)
         async_stalls.append(time.perf_counter() - t0)
@@ -137,10 +121,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 f.write(payload)
                 f.flush()
                 os.fsync(f.fileno())
-        _barrier()
+        barrier()
 
-    raw_s = _timed(raw_write, args.reps)
-    _barrier()
+    raw_s = timed(raw_write, args.reps)
+    barrier()
     if comm.rank == 0 and not args.dir:
         shutil.rmtree(base, ignore_errors=True)
     mb = nbytes / 2**20

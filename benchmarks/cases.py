@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import SEQ, VOCAB, SyntheticTokens, build, loss_of, run_or_collect
+from _common import SEQ, VOCAB, SyntheticTokens, barrier, build, loss_of, run_or_collect, timed
 
 from orchestrator import Guard, parse_policy
 from orchestrator.comm import Comm
@@ -31,21 +31,6 @@ from orchestrator.snapshot import SnapshotRing
 
 #: parameters -> (d_model, layers) of the example GPT (12 d^2 parameters per layer)
 SIZES = {"10M": (256, 12), "100M": (768, 14), "500M": (1536, 17), "tiny": (32, 1)}
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _median(fn: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        _barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _trained(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -77,7 +62,7 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
     assert first is not None
     first.sealed = True
     ring.capture(1, engine.state())
-    steady_s = _median(lambda: ring.capture(2, engine.state()), reps)
+    steady_s = timed(lambda: ring.capture(2, engine.state()), reps)
     snap = ring.snapshots()[-1]
     state_bytes = sum(t.numel() * t.element_size() for t in _tensors(engine.state()))
     nbytes = snap.nbytes
@@ -85,9 +70,9 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8)
     dst.copy_(src)  # first touch of the pages is not part of a copy
-    memcpy_s = _median(lambda: dst.copy_(src), reps)
+    memcpy_s = timed(lambda: dst.copy_(src), reps)
     src_np, dst_np = src.numpy(), dst.numpy()
-    memcpy_np_s = _median(lambda: np.copyto(dst_np, src_np), reps)
+    memcpy_np_s = timed(lambda: np.copyto(dst_np, src_np), reps)
 
     base = _shared_dir(comm)
     n = 0
@@ -107,9 +92,9 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
                     f.write(payload)
                 f.flush()
                 os.fsync(f.fileno())
-        _barrier()
+        barrier()
 
-    disk_s = _median(raw_write, max(1, reps // 2))
+    disk_s = timed(raw_write, max(1, reps // 2))
 
     save_path = ""
 
@@ -121,9 +106,9 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
-        _barrier()
+        barrier()
 
-    torch_save_s = _median(torch_save, reps)
+    torch_save_s = timed(torch_save, reps)
     dcp_path = ""
 
     def dcp_save() -> None:
@@ -131,12 +116,12 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
         dcp_path = str(comm.broadcast_object(fresh("dcp")))
         dcp.save(state, checkpoint_id=dcp_path)
 
-    dcp_save_s = _median(dcp_save, reps)
+    dcp_save_s = timed(dcp_save, reps)
     async_pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
     stalls, totals = [], []
     for _ in range(reps):
         path = comm.broadcast_object(fresh("adcp"))
-        _barrier()
+        barrier()
         t0 = time.perf_counter()
         fut = dcp.async_save(state, checkpoint_id=path, process_group=async_pg)
         stalls.append(time.perf_counter() - t0)
@@ -144,16 +129,16 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
         totals.append(time.perf_counter() - t0)
 
     # Restore: ours (the rollback's copy back), torch.load + load_state_dict, dcp.load.
-    restore_s = _median(lambda: engine.restore(snap, 1.0), reps)
+    restore_s = timed(lambda: engine.restore(snap, 1.0), reps)
 
     def torch_load() -> None:
         loaded = torch.load(save_path, weights_only=True)
         engine.core.load_state_dict(loaded["model"])
         opt.load_state_dict(loaded["optim"])
 
-    torch_load_s = _median(torch_load, reps)
-    dcp_load_s = _median(lambda: dcp.load(state, checkpoint_id=dcp_path), reps)
-    _barrier()
+    torch_load_s = timed(torch_load, reps)
+    dcp_load_s = timed(lambda: dcp.load(state, checkpoint_id=dcp_path), reps)
+    barrier()
     if comm.rank == 0:
         shutil.rmtree(base, ignore_errors=True)
     mib = nbytes / 2**20
@@ -232,7 +217,7 @@ def detect(args: argparse.Namespace) -> dict[str, Any]:
         fn()
     for _ in range(args.steps):
         for name, fn in modes.items():
-            _barrier()
+            barrier()
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -249,7 +234,7 @@ def detect(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(reps):
         comm.all_reduce_sum_(pack_local(loss, grads, True)).tolist()
     check_s = (time.perf_counter() - t0) / reps
-    _barrier()
+    barrier()
     if comm.rank == 0:
         shutil.rmtree(run_dir, ignore_errors=True)
     base = step["none"]
