@@ -383,7 +383,7 @@ class Guard(IncidentPipeline):
             return ACCUMULATE
         self.ring.fence()  # snapshot copies in flight must land before anything mutates
         if self.comm.rank == 0 and self.metrics.ratio_due(self.global_step):
-            self.metrics.before_update(self._ratio_params())
+            self.metrics.before_update(list(self.engine.core.parameters()))
         self.faults.process_faults(self.global_step)
         if not self.engine.poison_before_backward and self.faults.grad_fault(self.global_step):
             self.engine.poison_grad()
@@ -488,7 +488,7 @@ class Guard(IncidentPipeline):
     def _record_metrics(self, outcome: str, loss: float, grad_norm: float, mult: float) -> None:
         """Rank 0: one metrics row (values already on the host) and, when due, the
         update-to-weight ratio of the step just applied."""
-        ratio = self.metrics.update_ratio(self._ratio_params()) if self.comm.rank == 0 else None
+        ratio = self.metrics.update_ratio() if self.comm.rank == 0 else None
         if ratio is not None and self.metrics.low_streak(ratio):
             m = self.policy.metrics
             self._event(
@@ -514,15 +514,6 @@ class Guard(IncidentPipeline):
                 update_ratio=ratio,
                 outcome=outcome,
             )
-
-    def _ratio_params(self) -> list[torch.Tensor]:
-        """Rank 0's own parameter storage (its shard under FSDP2 or ZeRO-3)."""
-        out = []
-        for p in self.engine.core.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            if local.numel() > 0:
-                out.append(local)
-        return out
 
     def _new_step(self) -> None:
         self._micro, self._step_positions, self._step_ids = 0, [], []

@@ -31,7 +31,7 @@ class Metrics:
         self.attempt = attempt
         self._lines: list[str] = []
         self._last: tuple[float, int] | None = None  # (time, step) of the last row
-        self._before: list[torch.Tensor] | None = None
+        self._before: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._low = 0  # consecutive ratios below the threshold
         self._flushed = time.monotonic()
 
@@ -45,18 +45,18 @@ class Metrics:
 
     def before_update(self, params: list[torch.Tensor]) -> None:
         """A copy of the weights before the optimizer step (every update_ratio_every)."""
-        self._before = [p.detach().clone() for p in params]
+        self._before = [(p, _local(p).detach().clone()) for p in params]
 
-    def update_ratio(self, params: list[torch.Tensor]) -> float | None:
-        """||w - w_before|| / ||w|| after the step, if ``before_update`` came first."""
+    def update_ratio(self) -> float | None:
+        """||w - w_before|| / ||w|| after the step, over the parameters whose local storage
+        kept its shape (ZeRO-3 frees gathered ones), if ``before_update`` came first."""
         before, self._before = self._before, None
-        if before is None or not params:
-            return None
-        delta = sum(
-            float((p.detach().float() - b.float()).pow(2).sum())
-            for p, b in zip(params, before, strict=True)
-        )
-        norm = sum(float(p.detach().float().pow(2).sum()) for p in params)
+        delta = norm = 0.0
+        for p, b in before or []:
+            w = _local(p).detach()
+            if w.shape == b.shape and w.numel() > 0:
+                delta += float((w.float() - b.float()).pow(2).sum())
+                norm += float(w.float().pow(2).sum())
         return (delta**0.5) / (norm**0.5) if norm > 0 else None
 
     def drop_update(self) -> None:
@@ -94,6 +94,10 @@ class Metrics:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write("\n".join(self._lines) + "\n")
             self._lines = []
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p  # FSDP2: this rank's shard
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
