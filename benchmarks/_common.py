@@ -31,6 +31,7 @@ __all__ = [
     "VOCAB",
     "SyntheticTokens",
     "build",
+    "incident_to_next_commit",
     "init_dist",
     "loss_of",
     "report",
@@ -69,6 +70,23 @@ def timed(fn: Any, reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def incident_to_next_commit(guard: Any, loss_fn: Any, loader: Any, max_steps: int) -> float:
+    """Seconds from the step that returned "incident" to the next committed step, in a real
+    Guard loop whose policy injects one NaN."""
+    t_incident = recovery = None
+    for batch in guard.batches(loader, max_steps=max_steps):
+        guard.backward(loss_fn(batch))
+        outcome = guard.step()
+        if outcome == "incident":
+            t_incident = time.perf_counter()
+        elif outcome == "commit" and t_incident is not None and recovery is None:
+            recovery = time.perf_counter() - t_incident
+    guard.close()
+    if recovery is None:
+        raise RuntimeError("the injected NaN did not cause an incident: check the policy")
+    return recovery
 
 
 def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:

@@ -19,12 +19,20 @@ import argparse
 import os
 import shutil
 import tempfile
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import SEQ, VOCAB, SyntheticTokens, TinyGPT, loss_of, run_or_collect, timed
+from _common import (
+    SEQ,
+    VOCAB,
+    SyntheticTokens,
+    TinyGPT,
+    incident_to_next_commit,
+    loss_of,
+    run_or_collect,
+    timed,
+)
 
 from orchestrator import Guard, parse_policy
 from orchestrator.comm import Comm
@@ -100,7 +108,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def _guard_recovery(engine: Any, args: argparse.Namespace) -> float:
     """Seconds from the incident (guard.step returns) to the next committed step, in a real
-    Guard loop: a NaN at step 4, snapshots every 2 steps, so 1 step is replayed."""
+    Guard loop: a NaN at step 4, snapshots every 2 steps, so 1 step is replayed. The
+    default on-incident health check is included (cases.py's recovery leaves it out)."""
     policy = parse_policy(
         {
             "snapshot": {"every_steps": 2},
@@ -112,19 +121,12 @@ def _guard_recovery(engine: Any, args: argparse.Namespace) -> float:
     run_dir = Comm().broadcast_object(tempfile.mkdtemp(prefix="bench-ds-guard-"))
     guard = Guard(policy, engine=engine, run_dir=run_dir)
     loader = guard.dataloader(SyntheticTokens(512, SEQ, VOCAB), batch_size=2)
-    t_incident = recovery = None
-    for batch in guard.batches(loader, max_steps=6):
-        guard.backward(loss_of(engine, batch).float())
-        outcome = guard.step()
-        if outcome == "incident":
-            t_incident = time.perf_counter()
-        elif outcome == "commit" and t_incident is not None and recovery is None:
-            recovery = time.perf_counter() - t_incident
-    guard.close()
+    recovery = incident_to_next_commit(
+        guard, lambda batch: loss_of(engine, batch).float(), loader, max_steps=6
+    )
     dist.barrier()  # every rank is done with the run directory before rank 0 removes it
     if Comm().rank == 0:
         shutil.rmtree(run_dir, ignore_errors=True)
-    assert recovery is not None, "the injected NaN did not cause an incident"
     return recovery
 
 

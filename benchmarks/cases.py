@@ -22,7 +22,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import SEQ, VOCAB, SyntheticTokens, barrier, build, loss_of, run_or_collect, timed
+from _common import (
+    SEQ,
+    VOCAB,
+    SyntheticTokens,
+    barrier,
+    build,
+    incident_to_next_commit,
+    loss_of,
+    run_or_collect,
+    timed,
+)
 
 from orchestrator import Guard, parse_policy
 from orchestrator.comm import Comm
@@ -292,16 +302,9 @@ def recovery(args: argparse.Namespace) -> dict[str, Any]:
     )
     guard = Guard(policy, model=model, optimizer=opt, run_dir=run_dir)
     loader = guard.dataloader(SyntheticTokens(4096, SEQ, VOCAB), batch_size=2)
-    t_inc = in_process = None
-    for batch in guard.batches(loader, max_steps=8):
-        guard.backward(loss_of(model, batch))
-        outcome = guard.step()
-        if outcome == "incident":
-            t_inc = time.perf_counter()
-        elif outcome == "commit" and t_inc is not None and in_process is None:
-            in_process = time.perf_counter() - t_inc
-    guard.close()
-    assert in_process is not None
+    in_process = incident_to_next_commit(
+        guard, lambda batch: loss_of(model, batch), loader, max_steps=8
+    )
     save_path = os.path.join(run_dir, "state.pt")
     torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, save_path)
     restarts = {}

@@ -56,6 +56,11 @@ class HealthReport:
     def healthy(self) -> bool:
         return not self.bad
 
+    def bad_hosts(self) -> dict[int, str]:
+        """Failing rank -> its host."""
+        hosts = {r["rank"]: r["host"] for r in self.ranks}
+        return {r: hosts.get(r, "?") for r in sorted(self.bad)}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "reason": self.reason,

@@ -326,7 +326,7 @@ class IncidentPipeline:
         self._event("health", **report.to_dict())
         if report.healthy:
             return
-        named = {r: report.to_dict()["hosts"].get(str(r), "?") for r in report.bad}
+        named = report.bad_hosts()
         self._event(
             "unhealthy",
             reason=reason,
