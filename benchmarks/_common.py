@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import SyntheticTokens, TinyGPT
+
+from orchestrator import exit_process
 
 VOCAB, SEQ = 256, 64
 RESULT = "RESULT "
@@ -101,13 +103,12 @@ def init_dist(always: bool = False) -> None:
         dist.init_process_group("gloo")
 
 
-def report(result: dict[str, Any]) -> None:
-    """Rank 0 prints its result line for ``spawn`` to pick up."""
+def report(result: dict[str, Any]) -> NoReturn:
+    """Rank 0 prints its result line for ``spawn`` to pick up; then every rank exits."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(RESULT + json.dumps(result), flush=True)
-    if dist.is_initialized():
-        dist.barrier()  # nobody tears the group down while a peer still talks on it
-        dist.destroy_process_group()
+    barrier()  # nobody tears the group down while a peer still talks on it
+    exit_process(0)  # not a plain return: see its docstring (gloo teardown at exit)
 
 
 def spawn(script: str, nproc: int, args: list[str]) -> dict[str, Any]:
@@ -145,7 +146,6 @@ def run_or_collect(
     if args.worker:
         init_dist(always=always_dist)
         report(measure(args))
-        return None
     passthrough = [a for a in sys.argv[1:] if a != "--json"]
     results = [spawn(script, nproc, passthrough) for nproc in nprocs]
     if args.json:

@@ -20,7 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from orchestrator import Guard, PolicyError, load_policy, parse_policy, read_journal
+from orchestrator import (
+    Guard,
+    PolicyError,
+    exit_process,
+    load_policy,
+    parse_policy,
+    read_journal,
+)
 
 
 class SyntheticTokens(torch.utils.data.Dataset):
@@ -196,8 +203,6 @@ def main(argv: list[str] | None = None) -> int:
             f"{guard.rollbacks} rollback(s), "
             f"{kinds.count('snapshot')} snapshots; journal: {guard.run_dir}/journal.jsonl"
         )
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0
 
 
@@ -215,4 +220,6 @@ def local_shards(tree):  # type: ignore[no-untyped-def]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Destroys the process group and exits without the interpreter teardown, where gloo can
+    # abort a finished run (see exit_process). A RunStop from main() exits with its code.
+    exit_process(main())

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_gpt import SyntheticTokens, TinyGPT, demo_policy
 
-from orchestrator import Guard, PolicyError, load_policy, read_journal
+from orchestrator import Guard, PolicyError, exit_process, load_policy, read_journal
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "ds_zero2_bf16.json"
 
@@ -185,10 +185,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Everything is written and closed. DeepSpeed on the CPU backend sometimes aborts in
-    # C++ teardown at interpreter exit ("terminate called without an active exception",
-    # about 1 run in 15 here), after the work is done; leave without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    # Not sys.exit: gloo can abort a finished run in the interpreter teardown (exit_process).
+    exit_process(main())

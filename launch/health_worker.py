@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-from orchestrator.comm import Comm
+from orchestrator.comm import Comm, exit_process
 from orchestrator.errors import EXIT_UNHEALTHY
 from orchestrator.faults import FaultInjector
 from orchestrator.health import HealthChecker
@@ -44,10 +43,8 @@ def main() -> int:
         journal.write("health", 0, report.to_dict())
     checker.close()
     journal.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return 0 if report.healthy else EXIT_UNHEALTHY
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

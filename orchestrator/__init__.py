@@ -3,6 +3,7 @@
 >>> from orchestrator import Guard, load_policy
 """
 
+from orchestrator.comm import exit_process
 from orchestrator.errors import (
     EXIT_CRASH_LOOP,
     EXIT_GAVE_UP,
@@ -40,6 +41,7 @@ __all__ = [
     "RunStop",
     "Unhealthy",
     "UsageError",
+    "exit_process",
     "load_policy",
     "parse_policy",
     "read_journal",

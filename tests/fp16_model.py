@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Dataset
 
-from orchestrator import Guard, load_policy
+from orchestrator import Guard, exit_process, load_policy
 
 BIG = 77
 
@@ -62,8 +62,8 @@ def main() -> None:
         guard.step()
     guard.close()
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

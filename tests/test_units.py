@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,27 @@ def test_journal_skips_torn_last_line(tmp_path: Path) -> None:
         f.write('{"kind": "rollb')  # a crash mid-write
     (e,) = list(read_journal(str(tmp_path)))
     assert (e["kind"], e["step"], e["attempt"], e["details"]) == ("incident", 5, 2, {"reason": "x"})
+
+
+EXIT_CHECK = """
+import logging, os, sys, torch.distributed as dist
+from orchestrator import exit_process
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"],
+                        rank=0, world_size=1)
+dist.all_reduce(__import__("torch").ones(4))
+logging.basicConfig(stream=sys.stderr)
+logging.getLogger("t").warning("logged")
+print("unflushed", end="")
+exit_process(7)
+print("never")
+"""
+
+
+def test_exit_process_flushes_and_keeps_the_code() -> None:
+    """The end of a distributed script: the group is destroyed, buffered output and logs
+    are flushed, and the code is the one given (os._exit skips the interpreter teardown)."""
+    from conftest import free_port, run
+
+    r = run([sys.executable, "-c", EXIT_CHECK], env={"PORT": str(free_port())}, timeout=50)
+    assert r.returncode == 7, r.stdout
+    assert "unflushed" in r.stdout and "logged" in r.stdout and "never" not in r.stdout
