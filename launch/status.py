@@ -6,7 +6,7 @@ import os
 import time
 from collections import Counter
 
-from orchestrator.heartbeat import read_heartbeats
+from orchestrator.heartbeat import progress_time, read_heartbeats
 from orchestrator.journal import read_journal
 from orchestrator.persist import DurableStore, default_url
 from orchestrator.policy import load_policy
@@ -40,9 +40,9 @@ def render(run_dir: str) -> str:
         lines.append(f"  last event {last['kind']} at step {last['step']}, {age:.0f} s ago")
     beats = read_heartbeats(run_dir)
     if beats:
-        lines.append("  rank  attempt  step     phase       heartbeat age   host")
+        lines.append("  rank  attempt  step     phase       progress age    host")
         for b in beats:
-            age = time.time() - float(b["time"])
+            age = time.time() - progress_time(b)
             lines.append(
                 f"  {b['rank']:>4}  {b['attempt']:>7}  {b['step']:>6}   {b.get('phase', ''):<10}  "
                 f"{age:>10.1f} s   {b.get('host', '')}"
@@ -65,7 +65,7 @@ def render(run_dir: str) -> str:
 
 
 def _brief(details: dict[str, object]) -> str:
-    keep = ("reason", "cause", "returncode", "origin_ranks", "stalled_ranks", "why")
+    keep = ("reason", "cause", "returncode", "origin_ranks", "stalled_ranks", "suspects", "why")
     return " ".join(f"{k}={details[k]}" for k in keep if k in details)
 
 

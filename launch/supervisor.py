@@ -37,7 +37,7 @@ from orchestrator.errors import (
     EXIT_UNHEALTHY,
 )
 from orchestrator.guard import ENV_ATTEMPT, ENV_RUN_DIR
-from orchestrator.heartbeat import read_heartbeats
+from orchestrator.heartbeat import progress_time, read_heartbeats, suspects
 from orchestrator.journal import Journal, read_journal
 from orchestrator.policy import ENV_POLICY, Policy
 
@@ -266,11 +266,16 @@ class Supervisor:
                 self._kill(signal.SIGKILL)
             stalled = self._stalled(attempt, started)
             if stalled is not None:
+                beats = self._beats(attempt)
+                behind = suspects(beats)
                 self.journal.write(
                     "hang",
                     max(stalled.values(), default=-1),
                     {
                         "stalled_ranks": stalled,
+                        # Where each rank stood; the ones behind the rest are the suspects.
+                        "phases": {int(b["rank"]): b.get("phase") for b in beats},
+                        "suspects": behind,
                         "hang_timeout_s": self.sup.hang_timeout_s,
                         "host": self.host,
                         "log": self._log_path(attempt),
@@ -278,7 +283,8 @@ class Supervisor:
                 )
                 what = (
                     f"ranks {sorted(stalled)} made no progress for "
-                    f"{self.sup.hang_timeout_s:.0f} s (last steps {stalled})"
+                    f"{self.sup.hang_timeout_s:.0f} s (last steps {stalled}"
+                    + (f"; ranks {behind} are behind the others, suspect them)" if behind else ")")
                     if stalled
                     else f"no rank wrote a heartbeat within {self.sup.start_timeout_s} s"
                 )
@@ -323,7 +329,7 @@ class Supervisor:
         late = {
             int(b["rank"]): int(b["step"])
             for b in beats
-            if now - float(b["time"]) > self.sup.hang_timeout_s and b.get("phase") != "done"
+            if now - progress_time(b) > self.sup.hang_timeout_s and b.get("phase") != "done"
         }
         return late or None
 

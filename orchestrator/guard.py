@@ -335,6 +335,7 @@ class Guard(IncidentPipeline):
                 )
             )
         real = self._probe is None
+        self.heartbeat.enter("backward")
         fault = self.faults.loss_fault(self.global_step, self._cur_ids, one_shot=real)
         if fault == "poison":
             loss = loss * float("nan")
@@ -393,6 +394,7 @@ class Guard(IncidentPipeline):
         control = (float(self._stop_requested), *self.durable.control())
         loss = self._loss if gas == 1 else self._loss / gas
         packed = pack_local(loss, grads, check_grads, control)
+        self.heartbeat.enter("check")  # a rank that never gets here is the one others wait for
         vals = self.comm.all_reduce_sum_(packed).tolist()  # the one host sync of the step
         self.durable.observe(vals, self.global_step)
         outcome = self._decide(vals)
@@ -434,6 +436,7 @@ class Guard(IncidentPipeline):
         if self.health is not None:
             self.health.close()
         self.heartbeat.beat(self.global_step, phase="done", force=True)
+        self.heartbeat.close()
         if threading.current_thread() is threading.main_thread():
             for sig, handler in self._old_handlers.items():
                 signal.signal(sig, handler)

@@ -1,8 +1,17 @@
 """Per-rank heartbeats in RUN_DIR/heartbeats/, read by the supervisor to detect hangs.
 
-A beat is written only when the rank made progress (a committed step, a recovery) and at
-most every ``supervisor.heartbeat_interval_s``: the hot path pays one clock read. The file
-is replaced atomically, so a reader never sees half a beat.
+The training thread only records its progress in memory: where it is in the step (``beat``
+at a commit, ``enter`` at backward and at the check) and when it got there; a clock read
+and one attribute write. A writer thread, started at the first beat, writes that to
+``rank<r>.json`` every ``interval_s``; phase changes that matter (closing, done) are written
+at once. The file is replaced atomically, so a reader never sees half a beat.
+
+A beat carries two times. ``progress_time`` says when the training thread last moved:
+the supervisor judges hangs by it, exactly, whatever the writer's phase. ``time`` says when
+the file was written: a process that stopped writing altogether (frozen, GIL held) is late
+by both. ``phase`` says where in the step the rank stopped: when one rank hangs the others
+soon block in a collective further on (DDP's all-reduce in backward, the Guard's check),
+so the ranks furthest behind are the suspects (``suspects``).
 """
 
 from __future__ import annotations
@@ -10,10 +19,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from typing import Any
 
 HEARTBEAT_DIR = "heartbeats"
+# Where a rank is in its step, in order. A rank blocked in a collective waits for the ranks
+# at an earlier position; other phases (recovered, closing, ...) are not compared.
+STEP_PHASES = ("train", "backward", "check")
 
 
 class Heartbeat:
@@ -28,17 +41,71 @@ class Heartbeat:
             "host": socket.gethostname(),
         }
         self.interval_s = interval_s
-        self._last = 0.0
+        # (step, phase, progress_time), replaced as one: the writer never sees half an update.
+        self.state: tuple[int, str, float] = (0, "train", time.time())
+        self._lock = threading.Lock()  # the writer thread and forced writes share the file
+        self._stop = threading.Event()
+        self._writer: threading.Thread | None = None
 
     def beat(self, step: int, phase: str = "train", force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < self.interval_s:
-            return
-        self._last = now
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({**self.base, "step": step, "phase": phase, "time": time.time()}, f)
-        os.replace(tmp, self.path)
+        """Progress at ``step`` (a commit, a recovery); ``force`` writes it now."""
+        self.state = (step, phase, time.time())
+        if force:
+            self._write()
+        elif self._writer is None:
+            # The first beat: a first step that takes long (compilation, lazy init) is not
+            # a hang, so nothing is written before it (supervisor.start_timeout_s covers it).
+            self._writer = threading.Thread(
+                target=self._run, name="orchestrator-heartbeat", daemon=True
+            )
+            self._writer.start()
+
+    def enter(self, phase: str) -> None:
+        """The rank moved on within its step (one of STEP_PHASES); nothing is written here."""
+        self.state = (self.state[0], phase, time.time())
+
+    def close(self) -> None:
+        """Stop the writer (after the final, forced, beat)."""
+        self._stop.set()
+        if self._writer is not None:
+            self._writer.join()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._write()
+            except OSError:
+                pass  # a full or vanished disk: the beats stop, which the supervisor sees
+            if self._stop.wait(self.interval_s):
+                return
+
+    def _write(self) -> None:
+        step, phase, progress = self.state
+        beat = {**self.base, "step": step, "phase": phase, "progress_time": progress}
+        beat["time"] = time.time()
+        with self._lock:
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(beat, f)
+            os.replace(tmp, self.path)
+
+
+def progress_time(beat: dict[str, Any]) -> float:
+    """When the rank last moved (beats written before progress_time existed: their time)."""
+    return float(beat.get("progress_time", beat["time"]))
+
+
+def suspects(beats: list[dict[str, Any]]) -> list[int]:
+    """The ranks furthest behind in the step sequence, when the others are further on (so
+    probably waiting for them in a collective). Empty when all stand at the same place or a
+    rank is outside the step phases: then the beats cannot tell."""
+    if not beats or any(b.get("phase") not in STEP_PHASES for b in beats):
+        return []
+    at = {int(b["rank"]): (int(b["step"]), STEP_PHASES.index(b["phase"])) for b in beats}
+    behind = min(at.values())
+    if all(pos == behind for pos in at.values()):
+        return []
+    return sorted(r for r, pos in at.items() if pos == behind)
 
 
 def read_heartbeats(run_dir: str) -> list[dict[str, Any]]:

@@ -327,7 +327,7 @@ class SupervisorPolicy(_Section):
         "and write a snapshot) before SIGKILL.",
     )
     heartbeat_interval_s: float = Field(
-        2.0, gt=0, description="Ranks write their heartbeat at most this often."
+        2.0, gt=0, description="Each rank's writer thread writes its heartbeat this often."
     )
 
 

@@ -224,3 +224,19 @@ def test_exit_process_flushes_and_keeps_the_code() -> None:
     r = run([sys.executable, "-c", EXIT_CHECK], env={"PORT": str(free_port())}, timeout=50)
     assert r.returncode == 7, r.stdout
     assert "unflushed" in r.stdout and "logged" in r.stdout and "never" not in r.stdout
+
+
+def test_hang_suspects_are_the_ranks_behind() -> None:
+    from orchestrator.heartbeat import suspects
+
+    def beat(rank: int, step: int, phase: str) -> dict[str, object]:
+        return {"rank": rank, "step": step, "phase": phase}
+
+    # One rank still in backward while the rest wait in the check: that rank.
+    assert suspects([beat(0, 30, "check"), beat(1, 30, "backward"), beat(2, 30, "check")]) == [1]
+    # An earlier step is behind any phase of a later one.
+    assert suspects([beat(0, 31, "train"), beat(1, 30, "check")]) == [1]
+    # All at the same place, or a rank outside the step phases: the beats cannot tell.
+    assert suspects([beat(0, 30, "check"), beat(1, 30, "check")]) == []
+    assert suspects([beat(0, 30, "check"), beat(1, 30, "recovered")]) == []
+    assert suspects([]) == []
