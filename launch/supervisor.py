@@ -264,9 +264,9 @@ class Supervisor:
                 and time.time() - self._term_sent_at > self.sup.grace_s
             ):
                 self._kill(signal.SIGKILL)
-            stalled = self._stalled(attempt, started)
+            beats = self._beats(attempt)  # one read: the hang event describes what it found
+            stalled = self._stalled(beats, started)
             if stalled is not None:
-                beats = self._beats(attempt)
                 behind = suspects(beats)
                 self.journal.write(
                     "hang",
@@ -318,9 +318,10 @@ class Supervisor:
             self._max_step = max(steps + ([self._max_step] if self._max_step is not None else []))
         return beats
 
-    def _stalled(self, attempt: int, started: float) -> dict[int, int] | None:
+    def _stalled(self, beats: list[dict[str, Any]], started: float) -> dict[int, int] | None:
+        """The ranks (and their last steps) with no progress for hang_timeout_s; {} when
+        none wrote a beat within start_timeout_s; None when nothing is late."""
         now = time.time()
-        beats = self._beats(attempt)
         if not beats:
             limit = self.sup.start_timeout_s
             if limit is not None and now - started > limit:
