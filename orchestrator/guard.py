@@ -117,6 +117,12 @@ class Guard(IncidentPipeline):
         self.policy = policy if policy is not None else load_policy()
         self.comm = Comm(process_group)
         self.engine: Engine = _engine_for(model, optimizer, scheduler, scaler, engine)
+        if self.policy.clip.max_norm is not None and not self.engine.guard_clips:
+            raise UsageError(
+                f"clip.max_norm={self.policy.clip.max_norm}: DeepSpeed clips gradients inside "
+                "its own step; set gradient_clipping in the DeepSpeed config instead and "
+                "remove clip.max_norm from the policy"
+            )
         self.run_dir = self._resolve_run_dir(run_dir)
         self.attempt = int(os.environ.get(ENV_ATTEMPT, "0"))
         self.journal = Journal(self.run_dir, self.comm.global_rank, self.attempt)
@@ -473,6 +479,11 @@ class Guard(IncidentPipeline):
 
     def _commit(self, outcome: str, loss: float, grad_norm: float) -> str:
         mult = self.adjuster.multiplier()
+        max_norm = self.policy.clip.max_norm
+        if max_norm is not None and outcome == COMMIT and grad_norm > max_norm:
+            # torch's clip_grad_norm_ formula, by the norm the check all-reduced: every rank
+            # scales its own (local or sharded) gradients by the same global factor.
+            self.engine.clip_grads(max_norm / (grad_norm + 1e-6))
         self.engine.commit(mult)
         if self.metrics.due(self.global_step) or self.metrics.ratio_due(self.global_step):
             self._record_metrics(outcome, loss, grad_norm, mult)

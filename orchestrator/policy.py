@@ -97,6 +97,17 @@ class DetectPolicy(_Section):
     spike: SpikePolicy = Field(default_factory=SpikePolicy)  # type: ignore[arg-type]
 
 
+class ClipPolicy(_Section):
+    max_norm: float | None = Field(
+        None,
+        gt=0,
+        description="Clip gradients to this global L2 norm when a step commits, by the norm "
+        "the finite check already computed (no second norm, no extra collective or host "
+        "sync); the journal and metrics keep the norm before clipping. null: no clipping. "
+        "DeepSpeed clips by its own gradient_clipping instead.",
+    )
+
+
 class QuarantinePolicy(_Section):
     enabled: bool = Field(True, description="Quarantine the samples of a bad step.")
     scope: Literal["step", "window"] = Field(
@@ -433,6 +444,7 @@ class Policy(_Section):
 
     snapshot: SnapshotPolicy = Field(default_factory=SnapshotPolicy)  # type: ignore[arg-type]
     detect: DetectPolicy = Field(default_factory=DetectPolicy)  # type: ignore[arg-type]
+    clip: ClipPolicy = Field(default_factory=ClipPolicy)  # type: ignore[arg-type]
     quarantine: QuarantinePolicy = Field(default_factory=QuarantinePolicy)  # type: ignore[arg-type]
     persist: PersistPolicy = Field(default_factory=PersistPolicy)  # type: ignore[arg-type]
     adjust: AdjustPolicy = Field(default_factory=AdjustPolicy)  # type: ignore[arg-type]
@@ -444,6 +456,15 @@ class Policy(_Section):
     faults: list[Fault] = Field(
         default_factory=list, description="Fault injection for drills and tests (off: empty)."
     )
+
+    @model_validator(mode="after")
+    def _clip_needs_the_norm(self) -> Policy:
+        if self.clip.max_norm is not None and not self.detect.check_grads:
+            raise ValueError(
+                "clip.max_norm needs detect.check_grads: true: the Guard clips by the gradient "
+                "norm its finite check computes, and with check_grads false it computes none"
+            )
+        return self
 
     def digest(self) -> str:
         """Short stable hash of the resolved policy, journaled so runs can be compared."""

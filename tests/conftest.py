@@ -126,4 +126,22 @@ def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full-matrix",
+        action="store_true",
+        help="run every engine x architecture cell of tests/test_models.py, not only the "
+        "reduced matrix (about 10 more minutes on 2 cores)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--full-matrix"):
+        return
+    skip = pytest.mark.skip(reason="a cell of the full model matrix: pytest --full-matrix")
+    for item in items:
+        if "matrix" in item.keywords:
+            item.add_marker(skip)
+
+
 pytest_plugins = ["s3_server"]

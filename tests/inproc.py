@@ -35,6 +35,7 @@ def train(
     steps: int = 40,
     dataset: Dataset | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    clip_by_hand: float | None = None,
 ) -> tuple[Guard, dict[str, Any], list[str]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -55,6 +56,10 @@ def train(
     for x, y in guard.batches(loader, max_steps=steps):
         loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
         guard.backward(loss)
+        if clip_by_hand is not None:
+            if scaler is not None:
+                scaler.unscale_(opt)  # the documented way to clip under a GradScaler
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_by_hand)
         outcomes.append(guard.step(loss))
     guard.close()
     return guard, {"model": model.state_dict(), "optim": opt.state_dict()}, outcomes

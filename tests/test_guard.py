@@ -104,3 +104,21 @@ def test_grad_scaler_overflow_is_skipped_and_incident_cuts_scale(tmp_path: Path)
     (adj,) = events(tmp_path / "run", "adjust")
     assert adj["details"]["loss_scale_factor"] == 0.5
     assert guard.global_step == 30
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["fp32", "grad-scaler"])
+def test_policy_clip_equals_clipping_by_hand(tmp_path: Path, scaled: bool) -> None:
+    """clip.max_norm clips by the check's norm as clip_grad_norm_ would; clipping by hand
+    (after the loop's own scaler.unscale_, which the Guard must not repeat) matches it."""
+
+    def scaler() -> torch.amp.GradScaler | None:
+        return torch.amp.GradScaler("cpu", init_scale=1024.0) if scaled else None
+
+    _, unclipped, _ = train(tmp_path / "none", EXACT, scaler=scaler())
+    clipped = {**EXACT, "clip": {"max_norm": 0.5}}
+    _, by_policy, outcomes = train(tmp_path / "policy", clipped, scaler=scaler())
+    _, by_hand, _ = train(tmp_path / "hand", EXACT, scaler=scaler(), clip_by_hand=0.5)
+    assert set(outcomes) == {"commit"}
+    for name, value in by_policy["model"].items():
+        torch.testing.assert_close(value, by_hand["model"][name], rtol=1e-5, atol=1e-7)
+        assert not torch.allclose(value, unclipped["model"][name]), name

@@ -65,6 +65,15 @@ class Engine(ABC):
     def grads(self) -> list[torch.Tensor]:
         """This rank's gradients, ready for the finite check (unscaled)."""
 
+    #: The Guard may clip this engine's gradients (policy ``clip``). DeepSpeed clips inside
+    #: its own step, by its ``gradient_clipping``.
+    guard_clips: bool = True
+
+    def clip_grads(self, coef: float) -> None:
+        """Multiply this rank's gradients by ``coef`` (< 1): clipping by a global norm the
+        caller already has. Called between ``grads`` and ``commit``."""
+        torch._foreach_mul_(self.grads(), coef)
+
     @abstractmethod
     def commit(self, lr_multiplier: float) -> None:
         """Optimizer step (LR times ``lr_multiplier`` for this step only), scheduler step,

@@ -51,7 +51,14 @@ _INTERNAL_METHODS: dict[str, tuple[str, ...]] = {
 _INTERNAL_ATTRS: dict[str, tuple[str, ...]] = {
     "engine": ("save_non_zero_checkpoint", "global_samples", "skipped_steps", "micro_steps"),
     "zero12": ("optimizer", "loss_scaler", "dp_process_group"),  # .optimizer: the torch one
-    "zero3": ("optimizer", "loss_scaler", "dp_process_group"),
+    # fp16_groups / fp32_partitioned_groups_flat: where the partitions' padding is (start)
+    "zero3": (
+        "optimizer",
+        "loss_scaler",
+        "dp_process_group",
+        "fp16_groups",
+        "fp32_partitioned_groups_flat",
+    ),
 }
 
 
@@ -103,6 +110,7 @@ class DeepSpeedEngine(Engine):
     grads_replicated = True  # the norm DeepSpeed reports is already the global one
     rerun_grads_are_local = False  # gradients are reduced inside backward
     poison_before_backward = True
+    guard_clips = False  # DeepSpeed's step clips by its own gradient_clipping
     rank_local_keys = frozenset({"ds_engine", "ds_optim", "ds_model", "rng", "guard"})
 
     def __init__(self, ds: Any) -> None:
@@ -133,6 +141,27 @@ class DeepSpeedEngine(Engine):
         self._norm = 0.0
         self._applied = True
         self._poison: Any = None
+        if self.stage3 and self.dp_rank == self.dp_size - 1:
+            self._zero_stage3_padding()
+
+    def _zero_stage3_padding(self) -> None:
+        """ZeRO-3 allocates each parameter's partition with ``torch.empty``; on the last rank
+        the tail past the parameter's end (its padding, where the size does not divide by
+        the world size) is uninitialized memory, copied into the fp32 master partition. No
+        one reads it, but it is in every checkpoint of the partition: two identical runs'
+        checkpoints differ there, and stray NaN bits would fail the durable tier's
+        finite-values check on resume. Zeroed once here; the optimizer never moves it (its
+        gradient is zero)."""
+        opt = self.ds.optimizer
+        with torch.no_grad():
+            for params, flat in zip(opt.fp16_groups, opt.fp32_partitioned_groups_flat, strict=True):
+                offset = 0
+                for p in params:
+                    n, pad = int(p.partition_numel()), int(p.padding_size())
+                    if pad:
+                        flat[offset + n - pad : offset + n].zero_()
+                        p.ds_tensor[n - pad :].zero_()
+                    offset += n
 
     @property
     def state_replicated(self) -> bool:

@@ -83,9 +83,7 @@ class FSDP2Engine(TorchEngine):
                 return
 
     def grads(self) -> list[torch.Tensor]:
-        if self.scaler is not None and not self._unscaled:
-            self.scaler.unscale_(self.optimizer)
-            self._unscaled = True
+        self._unscale()
         return [_local(p.grad) for p in self._params() if p.grad is not None]
 
     can_reshard = True
@@ -139,20 +137,26 @@ class FSDP2Engine(TorchEngine):
         self._restore_rest(snap, loss_scale_factor)
 
     def _restore_optimizer(self, saved: dict[str, Any]) -> None:
-        """Copy shard by shard into the live state; wrap shards as DTensors where the live
-        state does not exist yet (a resume), never gather."""
+        """Put the saved local shards back as the optimizer's state, shard by shard, never
+        gathering. Each shard is wrapped as a DTensor with its global shape and stride given
+        explicitly: inferred from the local shard (``from_local``'s default) the global shape
+        would be the local one times the world size, which is wrong wherever dim 0 does not
+        divide evenly (a vocabulary of 1001 rows, a head of one row, whose shard on the last
+        rank is empty)."""
         params = self._params()
         for group, saved_group in zip(
             self.optimizer.param_groups, saved["param_groups"], strict=True
         ):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
+        live_state = {p: dict(s) for p, s in self.optimizer.state.items()}
         self.optimizer.state.clear()
         for index, entries in saved["state"].items():
             p = params[int(index)]
+            live = live_state.get(p, {})
             state: dict[str, Any] = {}
             for key, value in entries.items():
                 if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
-                    value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False)
+                    value = _as_dtensor(value, live.get(key), p, f"optimizer state {key!r}")
                 state[key] = value
             self.optimizer.state[p] = state
 
@@ -170,6 +174,27 @@ class FSDP2Engine(TorchEngine):
             if isinstance(v, torch.Tensor)
         )
         return model + optim
+
+
+def _as_dtensor(local: torch.Tensor, live: Any, param: DTensor, what: str) -> DTensor:
+    """``local`` as this rank's shard of a DTensor laid out like ``live`` (the state entry it
+    replaces) or, where there is none yet (a resume), like ``param``."""
+    spec = live if isinstance(live, DTensor) else param
+    if local.shape != spec.to_local().shape:
+        raise UsageError(
+            f"{what} of a parameter of global shape {tuple(param.shape)}: the saved shard has "
+            f"shape {tuple(local.shape)}, this rank's shard is {tuple(spec.to_local().shape)}. "
+            "The Guard restores optimizer state that shards like its parameter (Adam, SGD & "
+            "co.); an optimizer with differently shaped state needs its own adapter"
+        )
+    return DTensor.from_local(
+        local,
+        spec.device_mesh,
+        spec.placements,
+        run_check=False,
+        shape=spec.shape,
+        stride=spec.stride(),
+    )
 
 
 class FSDP1Engine(TorchEngine):

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.engines.base import Engine
@@ -61,10 +62,20 @@ class TorchEngine(Engine):
                 return
 
     def grads(self) -> list[torch.Tensor]:
-        if self.scaler is not None and not self._unscaled:
-            self.scaler.unscale_(self.optimizer)
-            self._unscaled = True
+        self._unscale()
         return [p.grad for p in self._params() if p.grad is not None]
+
+    def _unscale(self) -> None:
+        """Unscale the gradients once per step, unless the loop already did (to clip by
+        hand: ``scaler.unscale_(optimizer)`` then ``clip_grad_norm_``); a second
+        ``unscale_`` would raise."""
+        if self.scaler is None or self._unscaled:
+            return
+        # GradScaler keeps no public record of it; this is the one unscale_ itself checks.
+        stage = self.scaler._per_optimizer_states[id(self.optimizer)]["stage"]
+        if stage is not OptState.UNSCALED:
+            self.scaler.unscale_(self.optimizer)
+        self._unscaled = True
 
     def commit(self, lr_multiplier: float) -> None:
         groups = self.optimizer.param_groups
