@@ -147,9 +147,10 @@ def test_fsdp2_uneven_and_empty_shards_reshard_two_ranks_to_one(tmp_path: Path) 
     assert loss1 == pytest.approx(loss2, rel=1e-6)
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "fsdp1"])
 def test_clipping_by_hand_equals_the_policy_clip(tmp_path: Path, engine: str) -> None:
-    """``clip_grad_norm_`` in the loop (DDP; FSDP2 DTensors) trains the same model as the
+    """Clipping in the loop (``clip_grad_norm_`` on DDP and FSDP2 DTensors, FSDP1's own
+    ``clip_grad_norm_`` on its flat shards) trains the same model as the
     policy's ``clip.max_norm``; a Guard that did not clip would differ, as every step's norm
     is above the limit. In fp32: the two compute the same norm in a different order, and
     under bf16 compute a last-bit difference in a weight can flip its bf16 rounding and
