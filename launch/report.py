@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.journal import JOURNAL_NAME
+from orchestrator.journal import JOURNAL_NAME, quarantine_share
 from orchestrator.metrics import read_metrics
 
 COLOURS = {
@@ -132,8 +132,14 @@ def totals(rec: RunRecord) -> dict[str, Any]:
         if resumed:
             restart_s += float(resumed[0]["time"]) - float(r["time"])
     quarantined = sorted({i for q in rec.of("quarantine") for i in q["details"]["samples"]})
+    share = quarantine_share(rec.events)
+    causes = [e["details"].get("cause") for e in rec.of("incident")]
     return {
         "incidents": len(rec.of("incident")),
+        "incidents_explained_by_data": causes.count("data"),
+        "incidents_unexplained": causes.count("unexplained"),
+        "samples_seen": share[1] if share else None,
+        "quarantined_fraction": share[0] / max(share[1], 1) if share else None,
         "rollbacks": len(rollbacks),
         "restarts": len(rec.of("restart")),
         "steps_lost_to_rollback": lost_steps,
@@ -161,12 +167,19 @@ def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | No
         out += [f"> No plot: {why_no_png}", ""]
     out += ["## Totals", "", "| | |", "|---|---|"]
     out += [
-        f"| incidents | {t['incidents']} |",
+        f"| incidents | {t['incidents']} ({t['incidents_explained_by_data']} explained by "
+        f"data, {t['incidents_unexplained']} unexplained) |",
         f"| rollbacks | {t['rollbacks']} |",
         f"| restarts | {t['restarts']} |",
         f"| steps lost to rollback | {t['steps_lost_to_rollback']} |",
         f"| wall time lost | {t['wall_time_lost_s']} s (incidents, restarts, replayed steps) |",
-        f"| quarantined samples | {t['quarantined_samples']} |",
+        f"| quarantined samples | {t['quarantined_samples']}"
+        + (
+            f" ({t['quarantined_fraction']:.2%} of {t['samples_seen']} distinct samples seen)"
+            if t["samples_seen"]
+            else ""
+        )
+        + " |",
         "",
         "## Timeline",
         "",

@@ -7,7 +7,7 @@ import time
 from collections import Counter
 
 from orchestrator.heartbeat import progress_time, read_heartbeats
-from orchestrator.journal import read_journal
+from orchestrator.journal import quarantine_share, read_journal
 from orchestrator.persist import DurableStore, default_url
 from orchestrator.policy import load_policy
 
@@ -23,13 +23,18 @@ def render(run_dir: str) -> str:
     last = events[-1] if events else None
     sup = [e for e in events if e["kind"] in ("attempt_start", "supervisor_exit")]
     exit_event = sup[-1] if sup and sup[-1]["kind"] == "supervisor_exit" else None
-    quarantined = sum(
-        len(e["details"].get("samples", [])) for e in events if e["kind"] == "quarantine"
-    )
+    share = quarantine_share(events)
+    if share is not None:
+        quarantined = f"{share[0]} ({share[0] / max(share[1], 1):.2%} of {share[1]} samples seen)"
+    else:
+        n = sum(len(e["details"].get("samples", [])) for e in events if e["kind"] == "quarantine")
+        quarantined = str(n)
+    causes = Counter(e["details"].get("cause") for e in events if e["kind"] == "incident")
     lines = [f"run {run_dir}"]
     lines.append(
         f"  attempt {attempt}   newest step {max(steps, default=0)}   "
-        f"restarts {kinds['restart']}   hangs {kinds['hang']}   incidents {kinds['incident']}   "
+        f"restarts {kinds['restart']}   hangs {kinds['hang']}   incidents {kinds['incident']} "
+        f"(data {causes['data']}, unexplained {causes['unexplained']})   "
         f"rollbacks {kinds['rollback']}   quarantined {quarantined}"
     )
     if exit_event:

@@ -143,7 +143,7 @@ class Supervisor:
                     return self._stop(
                         journal,
                         EXIT_GAVE_UP,
-                        "the workers gave up (incident budget spent); see gave_up in the journal",
+                        "the workers gave up (a budget is spent); see gave_up in the journal",
                         best,
                     )
                 if a.outcome == PREEMPTED:

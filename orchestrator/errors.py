@@ -13,7 +13,7 @@ from __future__ import annotations
 
 # Worker exit codes. Documented in README.md ("Exit codes"); the supervisor classifies on them.
 EXIT_OK = 0
-EXIT_GAVE_UP = 71  # incident budget spent: restarting would loop, do not restart
+EXIT_GAVE_UP = 71  # incident or data budget spent: restarting would loop, do not restart
 EXIT_UNHEALTHY = 72  # a health check failed on this rank: restart elsewhere / evict the node
 EXIT_PREEMPTED = 73  # stopped on request after a durable snapshot: requeue
 # Supervisor only (``orchestrator launch``):

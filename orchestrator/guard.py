@@ -167,6 +167,7 @@ class Guard(IncidentPipeline):
         self._precision: str | None = None  # this rank's fp32 re-run verdict
         self._reset_iter = True
         self._closed = False
+        self._evidence: dict[str, Any] = {}  # the open incident's, journaled with its cause
 
         self.durable = DurableTier(
             self.policy,
@@ -368,7 +369,7 @@ class Guard(IncidentPipeline):
             ``"accumulate"`` (a micro-batch that is not the last of its step).
 
         Raises:
-            GaveUp: the incident budget is spent (exit code 71 when uncaught).
+            GaveUp: the incident or data budget is spent (exit code 71 when uncaught).
             Preempted: SIGTERM/SIGINT reached a rank; a durable snapshot of the state after
                 this step was written (exit code 73 when uncaught).
         """
@@ -453,8 +454,15 @@ class Guard(IncidentPipeline):
             incidents=len(self.incidents),
             rollbacks=self.rollbacks,
             quarantined=sorted(self._sampler.quarantined) if self._sampler else [],
+            **self._quarantine_summary(),
         )
         self.journal.close()
+
+    def _quarantine_summary(self) -> dict[str, Any]:
+        if self._sampler is None:
+            return {}
+        seen = self._samples_seen()
+        return {"samples_seen": seen, "quarantined_fraction": len(self._sampler.quarantined) / seen}
 
     def __enter__(self) -> Guard:
         return self
@@ -528,6 +536,13 @@ class Guard(IncidentPipeline):
                 update_ratio=ratio,
                 outcome=outcome,
             )
+
+    def _samples_seen(self) -> int:
+        """Distinct samples reached so far, the running step's included (the quarantine
+        budget's denominator): the position in the unfiltered order, all after an epoch."""
+        assert self._sampler is not None
+        n = self._sampler.num_samples
+        return n if self._pos[0] >= 1 else max(1, min(n, self._next_offset))
 
     def _new_step(self) -> None:
         self._micro, self._step_positions, self._step_ids = 0, [], []

@@ -17,6 +17,11 @@ class Incident:
     per_rank: list[dict[str, bool]] = field(default_factory=list)
     reproduced: bool | None = None  # None: not re-run (isolation off or not applicable)
     classification: str | None = None  # transient | deterministic (diagnose.rerun)
+    # "data": isolation reproduced it on a few samples, quarantined them, and the rest of
+    # the step was clean; "unexplained": anything else (not reproduced, every sample bad, a
+    # spike, no isolation). The budget it was charged to: "data" or "incidents".
+    cause: str | None = None
+    budget: str | None = None
     origin_module: str | None = None  # first module with a non-finite output / gradient
     quarantined: list[int] = field(default_factory=list)
     rolled_back_to: int | None = None
@@ -43,6 +48,7 @@ class Incident:
             f"origin rank(s): {origin}",
             f"  re-run of the step ({self.probe_steps} probe passes): {verdict}"
             + (f"; born in {self.origin_module}" if self.origin_module else ""),
+            f"  cause: {self.cause} (charged to the {self.budget} budget)",
             f"  quarantined samples: {self.quarantined if self.quarantined else 'none'}",
             f"  rolled back to step {self.rolled_back_to}; LR multiplier now {self.lr_multiplier:g}"
             + (f", loss scale x{self.loss_scale_factor:g}" if self.loss_scale_factor != 1 else ""),

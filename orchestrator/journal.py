@@ -12,7 +12,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 JOURNAL_NAME = "journal.jsonl"
@@ -63,3 +63,19 @@ def read_journal(run_dir: str) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 continue
+
+
+def quarantine_share(events: Iterable[dict[str, Any]]) -> tuple[int, int] | None:
+    """(quarantined samples, distinct samples seen) as the newest ``quarantine`` or
+    ``run_end`` event states them, or None when no event does (nothing quarantined yet, or
+    a journal older than the data budget)."""
+    share = None
+    for e in events:
+        d = e.get("details", {})
+        if "samples_seen" not in d:
+            continue
+        if e["kind"] == "quarantine":
+            share = (int(d["total"]), int(d["samples_seen"]))
+        elif e["kind"] == "run_end":
+            share = (len(d.get("quarantined", [])), int(d["samples_seen"]))
+    return share

@@ -125,6 +125,29 @@ class QuarantinePolicy(_Section):
     ledger_url: str | None = Field(
         None, description="fsspec URL of the JSONL ledger; null means RUN_DIR/quarantine.jsonl."
     )
+    max_fraction: float = Field(
+        0.01,
+        gt=0,
+        le=1,
+        description="Data budget: give up when the quarantined samples exceed this fraction of "
+        "the distinct samples seen so far (more bad data than that says the data set, or the "
+        "model on it, is the problem). Incidents explained by data are charged here, not to "
+        "escalation.max_incidents.",
+    )
+    max_step_fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="An incident whose isolated culprits are more than this fraction of the "
+        "bad step's samples is not explained by data (a model or LR that diverges fails on "
+        "every sample): nothing is quarantined and it counts as unexplained.",
+    )
+    budget_min_samples: int = Field(
+        16,
+        ge=0,
+        description="Quarantining up to this many samples is always within the data budget "
+        "(early in a run the fraction of the few samples seen says little).",
+    )
 
     @model_validator(mode="after")
     def _window_has_size(self) -> QuarantinePolicy:
@@ -145,11 +168,25 @@ class AdjustPolicy(_Section):
     loss_scale_factor: float = Field(
         0.5, gt=0, le=1, description="Multiply a GradScaler's scale by this on each incident."
     )
+    cut_lr_on_data: bool = Field(
+        False,
+        description="Cut the LR on incidents explained by data too (bad samples isolated and "
+        "quarantined). Off: the cause was the sample, not the optimization.",
+    )
+    loss_scale_on_data: bool = Field(
+        False,
+        description="Apply loss_scale_factor on incidents explained by data too.",
+    )
 
 
 class EscalationPolicy(_Section):
     max_incidents: int = Field(
-        3, ge=0, description="Give up when more incidents than this occur within window_steps."
+        3,
+        ge=0,
+        description="Give up when more unexplained incidents than this occur within "
+        "window_steps (not reproducible, reproducible on every sample, a spike, or no "
+        "isolation); incidents explained by bad samples count against the data budget "
+        "(quarantine.max_fraction) instead.",
     )
     window_steps: int = Field(500, ge=1, description="Sliding window for the incident budget.")
 

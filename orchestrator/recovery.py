@@ -1,7 +1,8 @@
 """The Guard's incident pipeline (the cold path: may cost seconds, never runs in a healthy
-step): name the origin ranks, run the health checks, check the incident budget, re-run the
-bad step through the user's own loop (isolation by bisection, forensics: classification,
-the module where the NaN is born, the fp32 re-run), quarantine, roll back, adjust.
+step): name the origin ranks, run the health checks, re-run the bad step through the user's
+own loop (isolation by bisection, forensics: classification, the module where the NaN is
+born, the fp32 re-run), decide the cause (explained by data, or unexplained) and charge the
+budget it belongs to, quarantine, roll back, adjust.
 
 A mixin of :class:`orchestrator.guard.Guard`: the state it reads and writes is the Guard's
 (declared below for the type checker only); every decision here is identical on every rank
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,7 +84,11 @@ class IncidentPipeline:
 
         @property
         def _probe_judges_grads(self) -> bool: ...
+
+        _evidence: dict[str, Any]
+
         def _event(self, kind: str, **details: Any) -> None: ...
+        def _samples_seen(self) -> int: ...
         def _new_step(self) -> None: ...
         def close(self, persist: bool = True) -> None: ...
 
@@ -99,34 +105,37 @@ class IncidentPipeline:
         inc = Incident(self.global_step, reason, gloss, gnorm, origin, time.time(), per_rank)
         self.incidents.append(inc)
         self._open = inc
-        self._event(
-            "incident",
-            reason=reason,
-            loss=gloss,
-            grad_norm=gnorm,
-            origin_ranks=origin,
-            per_rank=per_rank,
-            batch_ids=self.comm.all_gather_object(self._step_ids),
-        )
+        # Journaled once the cause is known (after isolation, where there is one), so the
+        # event says which budget the incident was charged to.
+        self._evidence = {
+            "reason": reason,
+            "loss": gloss,
+            "grad_norm": gnorm,
+            "origin_ranks": origin,
+            "per_rank": per_rank,
+            "batch_ids": self.comm.all_gather_object(self._step_ids),
+        }
         if self.health is not None and self.policy.health.on_incident:
-            self._check_health(f"incident at step {self.global_step}")
-        self._escalate_if_over_budget()
+            self._check_health(
+                f"incident at step {self.global_step}",
+                before_stop=lambda: self._charge("unexplained", why="unhealthy", budget=None),
+            )
 
-        q = self.policy.quarantine
-        isolate = q.enabled and q.scope == "step" and q.isolate
-        rerun = self.policy.diagnose.rerun
-        if (isolate or rerun) and reason.startswith("nonfinite"):
+        if self._isolates and reason.startswith("nonfinite"):
             suspects = list(self._step_ids) if self.comm.rank in origin else []
-            self._probe = Bisection(suspects, filler=self._step_ids[:1], split=isolate)
+            self._probe = Bisection(suspects, filler=self._step_ids[:1], split=self._splits)
             self._probe_steps = 0
             self._locator = (
                 ModuleLocator(self.engine.core, backward=self._probe_judges_grads)
-                if rerun
+                if self.policy.diagnose.rerun
                 else None
             )
             self.engine.abandon()
             return INCIDENT
+        # Not re-run (a spike, or isolation and forensics off): nothing ties it to samples.
+        self._charge("unexplained", why="not_isolated")
         culprits: list[int] = []
+        q = self.policy.quarantine
         if q.enabled:
             ranks = origin or list(range(self.comm.world_size))
             assert self._sampler is not None
@@ -196,11 +205,58 @@ class IncidentPipeline:
             actions = self._diagnosis(inc, gathered)
         elif not inc.reproduced:
             actions = {"cut_lr"}
-        culprits: list[int] = []
-        if self.policy.quarantine.enabled and "quarantine" in actions:
-            culprits = sorted({i for g in gathered for i in g["culprits"]})
-        self._recover(culprits, cut_lr="cut_lr" in actions)
+        found = sorted({i for g in gathered for i in g["culprits"]})
+        quarantine = self.policy.quarantine.enabled and "quarantine" in actions
+        step_samples = sum(len(ids) for ids in self._evidence["batch_ids"])
+        # Explained by data: bisection reproduced it on a few samples and the rest of the
+        # step was clean without them. Reproducible on every sample (or on most) is the
+        # model or the LR, not the data: nothing is quarantined then.
+        prev = self.incidents[-2] if len(self.incidents) > 1 else None
+        if not inc.reproduced:
+            why = "not_reproduced"
+        elif not self._splits or not quarantine:
+            why = "not_isolated"
+        elif not 0 < len(found) <= self.policy.quarantine.max_step_fraction * step_samples:
+            why = "most_samples"
+        elif prev is not None and inc.step <= prev.step:
+            # The replay after the last incident failed again before getting past it: a
+            # replay is exact and its samples passed before, so the model is what changed
+            # (or a bad sample moved into the step as quarantine shifted the order: rare).
+            why = "recurred"
+        else:
+            self._charge("data", why="isolated")
+            adjust = self.policy.adjust
+            self._recover(found, cut_lr=adjust.cut_lr_on_data, scale=adjust.loss_scale_on_data)
+            return PROBE
+        self._charge("unexplained", why=why)
+        # Without bisection (quarantine.isolate off) a reproduced step quarantines its
+        # origin ranks' samples whole, as isolation off always has.
+        self._recover(found if quarantine and not self._splits else [], cut_lr="cut_lr" in actions)
         return PROBE
+
+    @property
+    def _splits(self) -> bool:
+        """Isolation bisects the bad step down to its samples."""
+        q = self.policy.quarantine
+        return q.enabled and q.scope == "step" and q.isolate
+
+    @property
+    def _isolates(self) -> bool:
+        """The bad step is re-run (isolation, forensics, or both)."""
+        return self._splits or self.policy.diagnose.rerun
+
+    def _charge(self, cause: str, why: str, budget: str | None = "auto") -> None:
+        """Record the incident's cause (and ``why``: isolated, not_reproduced, most_samples,
+        recurred, not_isolated, unhealthy), journal it with its evidence, and charge it: to
+        the data budget (checked once its samples are quarantined) or to the incident budget
+        (checked now: may give up)."""
+        inc = self._open
+        assert inc is not None
+        inc.cause = cause
+        inc.budget = ("data" if cause == "data" else "incidents") if budget == "auto" else budget
+        self._event("incident", **self._evidence, cause=cause, why=why, budget=inc.budget)
+        if inc.budget == "incidents":
+            self._escalate_if_over_budget()
 
     def _diagnosis(self, inc: Incident, gathered: list[dict[str, Any]]) -> set[str]:
         """Classify the incident from the re-runs and journal it with the evidence; run the
@@ -239,16 +295,28 @@ class IncidentPipeline:
         rerun_of = self._open.step if self._probe is not None and self._open else None
         return self.faults.nan_module_armed(f, self.global_step, rerun_of)
 
-    def _recover(self, culprits: list[int], cut_lr: bool = True) -> None:
-        """Quarantine, roll back, adjust. Identical on every rank (inputs are agreed)."""
+    def _recover(self, culprits: list[int], cut_lr: bool = True, scale: bool = True) -> None:
+        """Quarantine, roll back, adjust (the LR if ``cut_lr``, a loss scale if ``scale``).
+        Identical on every rank (inputs are agreed)."""
         inc = self._open
         assert inc is not None and self._sampler is not None
         self.engine.abandon()
         if culprits:
             self._sampler.quarantine(culprits)
             written = self._ledger_add(culprits, inc.step, inc.reason)
-            self._event("quarantine", samples=culprits, ledger=self.ledger.url, persisted=written)
+            total, seen = len(self._sampler.quarantined), self._samples_seen()
+            self._event(
+                "quarantine",
+                samples=culprits,
+                ledger=self.ledger.url,
+                persisted=written,
+                total=total,
+                samples_seen=seen,
+                fraction=total / seen,
+            )
         inc.quarantined = culprits
+        if inc.budget == "data":
+            self._check_data_budget()
 
         target, age_met = self.ring.pick(inc.step, self.policy.snapshot.min_age_steps)
         if target is None:
@@ -256,7 +324,7 @@ class IncidentPipeline:
         assert target is not None
         adjust = self.policy.adjust
         t0 = time.perf_counter()
-        scale_factor = adjust.loss_scale_factor if self.engine.has_loss_scaler else 1.0
+        scale_factor = adjust.loss_scale_factor if scale and self.engine.has_loss_scaler else 1.0
         scale_before = self.engine.loss_scale()
         self.engine.restore(target, scale_factor)
         g = target.materialize("guard", clone=False)
@@ -314,9 +382,10 @@ class IncidentPipeline:
             logger.error("quarantine ledger %s not written: %r", self.ledger.url, err)
             return False
 
-    def _check_health(self, reason: str) -> None:
+    def _check_health(self, reason: str, before_stop: Callable[[], None] | None = None) -> None:
         """Run the health checks (every rank); on a failure journal the ranks and hosts
-        and stop with exit code 72, so the supervisor or scheduler can exclude the node.
+        (after ``before_stop``) and stop with exit code 72, so the supervisor or scheduler
+        can exclude the node.
 
         Raises:
             Unhealthy: a check failed on some rank (or timed out).
@@ -326,6 +395,8 @@ class IncidentPipeline:
         self._event("health", **report.to_dict())
         if report.healthy:
             return
+        if before_stop is not None:
+            before_stop()
         named = report.bad_hosts()
         self._event(
             "unhealthy",
@@ -349,17 +420,41 @@ class IncidentPipeline:
         )
 
     def _escalate_if_over_budget(self) -> None:
+        """The incident budget: unexplained incidents per window."""
         e = self.policy.escalation
         step = self.incidents[-1].step
-        recent = [i for i in self.incidents if i.step > step - e.window_steps]
+        recent = [
+            i for i in self.incidents if i.budget == "incidents" and i.step > step - e.window_steps
+        ]
         if len(recent) > e.max_incidents:
             self._give_up(
-                f"{len(recent)} incidents within {e.window_steps} steps (steps "
-                f"{[i.step for i in recent]}), over escalation.max_incidents={e.max_incidents}"
+                f"{len(recent)} unexplained incidents within {e.window_steps} steps (steps "
+                f"{[i.step for i in recent]}), over escalation.max_incidents={e.max_incidents}",
+                budget="incidents",
             )
 
-    def _give_up(self, why: str) -> None:
+    def _check_data_budget(self) -> None:
+        """The data budget: quarantined samples against the distinct samples seen."""
+        assert self._sampler is not None
+        q = self.policy.quarantine
+        total, seen = len(self._sampler.quarantined), self._samples_seen()
+        if total <= max(q.max_fraction * seen, q.budget_min_samples):
+            return
+        self._give_up(
+            f"{total} samples quarantined, {total / seen:.2%} of the {seen} distinct samples "
+            f"seen, over quarantine.max_fraction={q.max_fraction:g} (budget_min_samples="
+            f"{q.budget_min_samples}). The ledger {self.ledger.url} lists them: inspect the "
+            "data (or the model on it); if this much bad data is expected, raise "
+            "quarantine.max_fraction",
+            budget="data",
+            fraction=total / seen,
+            samples_seen=seen,
+            ledger=self.ledger.url,
+        )
+
+    def _give_up(self, why: str, **evidence: Any) -> None:
         summary = {
+            **evidence,
             "why": why,
             "incidents": [i.to_dict() for i in self.incidents],
             "quarantined": sorted(self._sampler.quarantined) if self._sampler else [],

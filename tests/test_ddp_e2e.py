@@ -82,21 +82,34 @@ def test_poison_sample_quarantined_bit_for_bit(tmp_path: Path) -> None:
 
 
 def test_default_adjustment_cuts_and_ramps_back(tmp_path: Path) -> None:
-    bad = poison_id(25)
+    """An unexplained incident (a NaN gradient that does not reproduce) cuts the LR, holds it
+    and ramps it back; a poisoned sample (explained by data) keeps it."""
     policy = {
         "adjust": {"hold_steps": 5, "rewarm_steps": 10},
-        "faults": [{"kind": "poison_sample", "sample": bad}],
+        "faults": [
+            {"kind": "nan_grad", "step": 25, "rank": 1},
+            {"kind": "poison_sample", "sample": poison_id(55)},
+        ],
     }
     d = tmp_path / "run"
     r = train(d, 2, *STEPS, policy=policy, save=False)
     assert r.returncode == 0, r.stdout[-3000:]
+    causes = [
+        (e["step"], e["details"]["cause"], e["details"]["budget"]) for e in kinds(d, "incident")
+    ]
+    assert causes == [(25, "unexplained", "incidents"), (55, "data", "data")]
     adjust = [
         (e["step"], e["details"]["phase"], e["details"]["lr_multiplier"])
         for e in kinds(d, "adjust")
     ]
-    (rb,) = kinds(d, "rollback")
-    to = rb["details"]["to_step"]
-    assert adjust == [(to, "cut", 0.5), (to + 5, "rewarm_start", 0.5), (to + 15, "restored", 1.0)]
+    rb, rb_data = kinds(d, "rollback")
+    to, to_data = rb["details"]["to_step"], rb_data["details"]["to_step"]
+    assert adjust == [
+        (to, "cut", 0.5),
+        (to + 5, "rewarm_start", 0.5),
+        (to + 15, "restored", 1.0),
+        (to_data, "kept", 1.0),
+    ]
 
 
 def test_recurring_poison_gives_up_with_exit_code(tmp_path: Path) -> None:

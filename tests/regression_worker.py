@@ -1,0 +1,136 @@
+"""A regression net on data that holds real bad samples: targets of 3e38, whose squared error
+overflows fp32 (nothing injected). One rank of the data-budget tests, under torchrun:
+
+    torchrun --nproc-per-node 2 tests/regression_worker.py --engine ddp --poison 20
+
+``--engine ddp|fsdp2|zero2`` (FSDP2 and ZeRO-2 in bf16). ``--save-final DIR`` writes each
+rank's local state as plain tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+from train_gpt import local_shards  # noqa: E402
+from train_gpt_deepspeed import tensors_only  # noqa: E402
+
+from orchestrator import Guard, exit_process, load_policy  # noqa: E402
+
+POISON_TARGET = 3e38
+
+
+class NoisyRegression(torch.utils.data.Dataset):
+    """y = x . w + noise, with ``poison`` samples (chosen by a seeded permutation) whose
+    target is 3e38."""
+
+    def __init__(self, n: int, poison: int, dim: int = 16) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = self.x @ torch.linspace(-1, 1, dim) + 0.1 * torch.randn(n, generator=g)
+        self.poison = poison_ids(n, poison)
+        self.y[self.poison] = POISON_TARGET
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+def poison_ids(n: int, count: int) -> list[int]:
+    return sorted(torch.randperm(n, generator=torch.Generator().manual_seed(123))[:count].tolist())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", choices=("ddp", "fsdp2", "zero2"), default="ddp")
+    ap.add_argument("--samples", type=int, default=4096)
+    ap.add_argument("--poison", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--save-final")
+    ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)
+    )
+    kw: dict[str, Any] = {}
+    if args.engine == "zero2":
+        import deepspeed
+
+        opt_params: dict[str, Any] = {"lr": args.lr}
+        if args.optimizer == "adamw":
+            opt_params["torch_adam"] = True  # bit-for-bit replays on CPU (train_gpt_deepspeed)
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=model.parameters(),
+            config={
+                "train_micro_batch_size_per_gpu": args.batch_size,
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 2},
+                "optimizer": {"type": args.optimizer.upper(), "params": opt_params},
+            },
+        )
+        module: Any = engine
+        kw["engine"] = engine
+    else:
+        if args.engine == "fsdp2":
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mp_policy=mp)
+            module = fully_shard(model, mp_policy=mp)
+        else:
+            module = nn.parallel.DistributedDataParallel(model)
+        opt_cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
+        kw.update(model=module, optimizer=opt_cls(module.parameters(), lr=args.lr))
+
+    guard = Guard(load_policy(), **kw)
+    loader = guard.dataloader(NoisyRegression(args.samples, args.poison), args.batch_size, seed=3)
+    for x, y in guard.batches(loader, max_steps=args.steps):
+        if args.engine == "zero2":
+            x = x.bfloat16()  # DeepSpeed's bf16 module takes bf16 inputs (no autocast)
+        loss = F.mse_loss(module(x).squeeze(-1).float(), y)
+        guard.backward(loss)
+        guard.step(loss)
+    guard.close()
+
+    if args.save_final:
+        if args.engine == "zero2":
+            state = {
+                "zero": tensors_only(engine.optimizer.state_dict()),
+                "module": tensors_only(engine.module.state_dict()),
+            }
+        else:
+            opt = kw["optimizer"]
+            state = {
+                "model": local_shards(model.state_dict()),
+                "optim": local_shards(opt.state_dict()),
+            }
+        os.makedirs(args.save_final, exist_ok=True)
+        torch.save({**state, "step": guard.global_step}, f"{args.save_final}/rank{rank}.pt")
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    exit_process(main())

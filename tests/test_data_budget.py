@@ -1,0 +1,103 @@
+"""Real bad samples in the data (targets of 3e38, whose squared error overflows; nothing
+injected), 2 ranks, gloo, the default policy: incidents that isolation explains by a few
+samples are quarantined and charged to the data budget, at full LR; a diverging model is
+charged to the incident budget; too much bad data spends the data budget."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from regression_worker import poison_ids
+
+from conftest import REPO, assert_bitwise_equal, final_states, journal, kinds, train
+from launch import report
+
+pytestmark = pytest.mark.timeout(400)
+
+WORKER = REPO / "tests" / "regression_worker.py"
+
+
+def run(run_dir: Path, *args: str, ok: bool = True) -> None:
+    r = train(run_dir, 2, *args, policy={}, script=WORKER)
+    if ok:
+        assert r.returncode == 0, r.stdout[-4000:]
+    else:
+        assert r.returncode != 0, r.stdout[-4000:]
+
+
+def ledger(run_dir: Path) -> list[int]:
+    lines = (run_dir / "quarantine.jsonl").read_text().splitlines()
+    return sorted(json.loads(line)["sample"] for line in lines)
+
+
+def only(run_dir: Path, kind: str) -> dict[str, Any]:
+    (event,) = kinds(run_dir, kind)
+    return event["details"]
+
+
+@pytest.mark.parametrize(
+    ("engine", "samples", "poison"),
+    [("ddp", 4096, 20), ("fsdp2", 1024, 6), ("zero2", 1024, 6)],
+)
+def test_bad_samples_are_quarantined_and_the_run_finishes(
+    tmp_path: Path, engine: str, samples: int, poison: int
+) -> None:
+    """Every bad sample is met (one epoch and a few steps), each incident is explained by
+    data, the LR multiplier never leaves 1.0, and the run ends bit for bit where a run whose
+    ledger held those samples from the start ends."""
+    steps = samples // 16 + 4
+    args = ["--engine", engine, "--samples", str(samples), "--steps", str(steps)]
+    faulty = tmp_path / "faulty"
+    run(faulty, *args, "--poison", str(poison))
+    bad = poison_ids(samples, poison)
+    assert ledger(faulty) == bad
+    incidents = kinds(faulty, "incident")
+    assert incidents and {(e["details"]["cause"], e["details"]["budget"]) for e in incidents} == {
+        ("data", "data")
+    }
+    assert {e["details"]["lr_multiplier"] for e in kinds(faulty, "adjust")} == {1.0}
+    end = only(faulty, "run_end")
+    assert end["samples_seen"] == samples
+    assert end["quarantined_fraction"] == pytest.approx(poison / samples)
+    totals = report.totals(report.load(str(faulty)))  # what `orchestrator report` shows
+    assert totals["incidents_explained_by_data"] == len(incidents)
+    assert totals["quarantined_fraction"] == pytest.approx(poison / samples)
+
+    pre = tmp_path / "prequarantined"
+    pre.mkdir()
+    (pre / "quarantine.jsonl").write_text("".join(json.dumps({"sample": i}) + "\n" for i in bad))
+    run(pre, *args, "--poison", str(poison))
+    assert not kinds(pre, "incident")
+    for a, b in zip(final_states(pre), final_states(faulty), strict=True):
+        assert_bitwise_equal(a, b, f"{engine} final")
+
+
+def test_a_diverging_model_spends_the_incident_budget(tmp_path: Path) -> None:
+    """Clean data, an LR far too high: every sample fails, nothing is quarantined, and the
+    run gives up on the unexplained-incident budget (escalation.max_incidents=3)."""
+    d = tmp_path / "run"
+    run(d, "--optimizer", "sgd", "--lr", "50", "--steps", "100", ok=False)
+    gave_up = only(d, "gave_up")
+    assert gave_up["budget"] == "incidents"
+    incidents = kinds(d, "incident")
+    assert len(incidents) == len(gave_up["incidents"]) == 3 + 1  # the one over the budget
+    assert {e["details"]["cause"] for e in incidents} == {"unexplained"}
+    assert not kinds(d, "quarantine") and not (d / "quarantine.jsonl").exists()
+
+
+def test_too_much_bad_data_spends_the_data_budget(tmp_path: Path) -> None:
+    """5% of the samples are bad, over quarantine.max_fraction=1%: the run stops, naming the
+    fraction and the ledger, and everything it quarantined is in the ledger."""
+    d = tmp_path / "run"
+    run(d, "--poison", str(4096 // 20), "--steps", "200", ok=False)
+    gave_up = only(d, "gave_up")
+    assert gave_up["budget"] == "data" and gave_up["ledger"] == str(d / "quarantine.jsonl")
+    assert gave_up["fraction"] > 0.01
+    quarantined = ledger(d)
+    assert quarantined == sorted(gave_up["quarantined"])
+    assert set(quarantined) <= set(poison_ids(4096, 4096 // 20))
+    assert gave_up["fraction"] == pytest.approx(len(quarantined) / gave_up["samples_seen"])
+    assert journal(d)[-1]["kind"] == "run_end"
