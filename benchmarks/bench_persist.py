@@ -27,8 +27,8 @@ import torch.distributed.checkpoint as dcp
 from _common import SEQ, VOCAB, barrier, build, loss_of, run_or_collect, timed
 
 from orchestrator.comm import Comm
-from orchestrator.persist import DurableStore
 from orchestrator.snapshot import SnapshotRing
+from orchestrator.store import DurableStore
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:

@@ -275,7 +275,7 @@ if how == "torch.save":
     state = torch.load(path, weights_only=True)
     model.load_state_dict(state["model"]); opt.load_state_dict(state["optim"])
 else:
-    from orchestrator.persist import DurableStore
+    from orchestrator.store import DurableStore
     store = DurableStore(path)
     tree = store.load_part(store.committed_steps()[0], 0)
     model.load_state_dict(tree["model"]); opt.load_state_dict(tree["optim"])

@@ -6,6 +6,7 @@ The CLI is an entry point, so it (and only it) installs a log handler.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -13,6 +14,7 @@ import warnings
 
 from orchestrator.errors import PolicyError
 from orchestrator.policy import load_policy
+from orchestrator.protocol import ENV_POLICY, ENV_RUN_DIR, POLICY_NAME
 
 EXIT_INVALID = 2
 
@@ -28,11 +30,11 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _snapshots(args: argparse.Namespace) -> int:
-    from orchestrator.persist import DurableStore, default_url
+    from orchestrator.store import DurableStore, default_url
 
     target = args.target
     url = target
-    policy_file = os.path.join(target, "policy.yaml")
+    policy_file = os.path.join(target, POLICY_NAME)
     if "://" not in target and os.path.isfile(policy_file):  # a run directory
         try:
             url = load_policy(policy_file).persist.url or default_url(os.path.abspath(target))
@@ -86,7 +88,7 @@ def _launch(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     run_dir = (
         args.run_dir
-        or os.environ.get("ORCHESTRATOR_RUN_DIR")
+        or os.environ.get(ENV_RUN_DIR)
         or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     )
     return Supervisor(policy, run_dir, cmd).run()
@@ -98,7 +100,7 @@ def _health(args: argparse.Namespace) -> int:
     import subprocess
     from pathlib import Path
 
-    from orchestrator.errors import EXIT_UNHEALTHY
+    from orchestrator.protocol import EXIT_UNHEALTHY
 
     cmd = list(args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd)
     if not cmd:
@@ -117,9 +119,9 @@ def _health(args: argparse.Namespace) -> int:
         args.run_dir or os.path.join("runs", time.strftime("health-%Y%m%d-%H%M%S"))
     )
     os.makedirs(run_dir, exist_ok=True)
-    env = {**os.environ, "ORCHESTRATOR_RUN_DIR": run_dir}
+    env = {**os.environ, ENV_RUN_DIR: run_dir}
     if args.policy:
-        env["ORCHESTRATOR_POLICY"] = os.path.abspath(args.policy)
+        env[ENV_POLICY] = os.path.abspath(args.policy)
     worker = str(Path(__file__).resolve().parent / "health_worker.py")
     code = subprocess.run([*cmd, worker], env=env).returncode
     report = os.path.join(run_dir, "health.json")
@@ -225,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The entry point, so the one place that installs a log handler: the supervisor's
+    # messages go to stderr, apart from the training output it relays to stdout.
+    logging.basicConfig(level=logging.INFO, format="[orchestrator] %(message)s", stream=sys.stderr)
     # DCP warns on every single-process load; this command does that on purpose.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     args = build_parser().parse_args(argv)

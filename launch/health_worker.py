@@ -19,12 +19,13 @@ from orchestrator.faults import FaultInjector
 from orchestrator.health import HealthChecker
 from orchestrator.journal import Journal
 from orchestrator.policy import load_policy
+from orchestrator.protocol import ENV_ATTEMPT, ENV_RUN_DIR
 
 REPORT = "health.json"
 
 
 def main() -> int:
-    run_dir = os.environ["ORCHESTRATOR_RUN_DIR"]
+    run_dir = os.environ[ENV_RUN_DIR]
     policy = load_policy()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         cuda = torch.cuda.is_available()
@@ -32,7 +33,7 @@ def main() -> int:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo")
     comm = Comm()
-    journal = Journal(run_dir, comm.global_rank, int(os.environ.get("ORCHESTRATOR_ATTEMPT", "0")))
+    journal = Journal(run_dir, comm.global_rank, int(os.environ.get(ENV_ATTEMPT, "0")))
     faults = FaultInjector(policy.faults, comm.global_rank, run_dir, journal)
     checker = HealthChecker(policy.health, comm, faults, run_dir)
     report = checker.run("standalone")

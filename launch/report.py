@@ -17,8 +17,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.journal import JOURNAL_NAME, quarantine_share
+from orchestrator.journal import quarantine_share
 from orchestrator.metrics import read_metrics
+from orchestrator.protocol import JOURNAL_NAME
 
 COLOURS = {
     "transient": "tab:orange",

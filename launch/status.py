@@ -8,8 +8,9 @@ from collections import Counter
 
 from orchestrator.heartbeat import progress_time, read_heartbeats
 from orchestrator.journal import quarantine_share, read_journal
-from orchestrator.persist import DurableStore, default_url
 from orchestrator.policy import load_policy
+from orchestrator.protocol import POLICY_NAME
+from orchestrator.store import DurableStore, default_url
 
 
 def render(run_dir: str) -> str:
@@ -53,7 +54,7 @@ def render(run_dir: str) -> str:
                 f"{age:>10.1f} s   {b.get('host', '')}"
             )
     try:
-        policy_file = os.path.join(run_dir, "policy.yaml")
+        policy_file = os.path.join(run_dir, POLICY_NAME)
         policy = load_policy(policy_file) if os.path.exists(policy_file) else None
         url = (policy.persist.url if policy else None) or default_url(run_dir)
         committed = DurableStore(url).committed_steps()

@@ -28,18 +28,31 @@ from typing import IO, Any
 import yaml
 from tenacity import wait_exponential_jitter
 
-from orchestrator.errors import (
+from orchestrator.heartbeat import progress_time, read_heartbeats, suspects
+from orchestrator.journal import Journal, read_journal
+from orchestrator.policy import Policy
+from orchestrator.protocol import (
+    ATTEMPTS_DIR,
+    ENV_ATTEMPT,
+    ENV_POLICY,
+    ENV_RUN_DIR,
+    EVENT_ATTEMPT_END,
+    EVENT_ATTEMPT_START,
+    EVENT_GAVE_UP,
+    EVENT_HANG,
+    EVENT_PREEMPTED,
+    EVENT_PREEMPTING,
+    EVENT_RESTART,
+    EVENT_SUPERVISOR_EXIT,
+    EVENT_UNHEALTHY,
     EXIT_CRASH_LOOP,
     EXIT_GAVE_UP,
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_RESTARTS_EXHAUSTED,
     EXIT_UNHEALTHY,
+    POLICY_NAME,
 )
-from orchestrator.guard import ENV_ATTEMPT, ENV_RUN_DIR
-from orchestrator.heartbeat import progress_time, read_heartbeats, suspects
-from orchestrator.journal import Journal, read_journal
-from orchestrator.policy import ENV_POLICY, Policy
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +73,10 @@ _BY_CODE = {
 # "preempting" is written before the snapshot: a worker killed while writing it was still
 # preempted (it resumes from the previous snapshot).
 _BY_EVENT = {
-    "gave_up": GAVE_UP,
-    "unhealthy": UNHEALTHY,
-    "preempted": PREEMPTED,
-    "preempting": PREEMPTED,
+    EVENT_GAVE_UP: GAVE_UP,
+    EVENT_UNHEALTHY: UNHEALTHY,
+    EVENT_PREEMPTED: PREEMPTED,
+    EVENT_PREEMPTING: PREEMPTED,
 }
 SUPERVISOR_RANK = -1  # the journal's rank field for the supervisor's own events
 
@@ -85,7 +98,7 @@ class Supervisor:
         self.run_dir = os.path.abspath(run_dir)
         self.cmd = cmd
         os.makedirs(self.run_dir, exist_ok=True)
-        self.policy_path = os.path.join(self.run_dir, "policy.yaml")
+        self.policy_path = os.path.join(self.run_dir, POLICY_NAME)
         with open(self.policy_path, "w", encoding="utf-8") as f:
             yaml.safe_dump(policy.model_dump(mode="json"), f, sort_keys=False)
         self.host = socket.gethostname()
@@ -116,7 +129,7 @@ class Supervisor:
                 journal.attempt = attempt
                 if self._signals:
                     return self._stop(journal, 128 + signal.SIGTERM, "stopped on request", best)
-                journal.write("attempt_start", best, {"cmd": self.cmd, "host": self.host})
+                journal.write(EVENT_ATTEMPT_START, best, {"cmd": self.cmd, "host": self.host})
                 a = self._run_attempt(attempt)
                 progressed = (a.best_step is not None and a.best_step > best) or (
                     # A script without the Guard writes no heartbeats: a long life is progress.
@@ -124,7 +137,7 @@ class Supervisor:
                 )
                 best = max(best, a.best_step if a.best_step is not None else best)
                 journal.write(
-                    "attempt_end",
+                    EVENT_ATTEMPT_END,
                     best,
                     {
                         "returncode": a.returncode,
@@ -180,7 +193,7 @@ class Supervisor:
                 restarts += 1
                 delay = self._backoff(restarts)
                 journal.write(
-                    "restart",
+                    EVENT_RESTART,
                     best,
                     {
                         "cause": a.outcome,
@@ -208,13 +221,13 @@ class Supervisor:
         return float(wait(state)) if self.sup.backoff_s > 0 else 0.0
 
     def _stop(self, journal: Journal, code: int, why: str, best: int) -> int:
-        journal.write("supervisor_exit", best, {"exit_code": code, "reason": why})
+        journal.write(EVENT_SUPERVISOR_EXIT, best, {"exit_code": code, "reason": why})
         self._say(f"{why}; exit {code}")
         return code
 
     # --- one attempt ----------------------------------------------------------------------
     def _run_attempt(self, attempt: int) -> Attempt:
-        log_dir = os.path.join(self.run_dir, "attempts", str(attempt))
+        log_dir = os.path.join(self.run_dir, ATTEMPTS_DIR, str(attempt))
         os.makedirs(log_dir, exist_ok=True)
         env = {
             **os.environ,
@@ -269,7 +282,7 @@ class Supervisor:
             if stalled is not None:
                 behind = suspects(beats)
                 self.journal.write(
-                    "hang",
+                    EVENT_HANG,
                     max(stalled.values(), default=-1),
                     {
                         "stalled_ranks": stalled,
@@ -382,7 +395,7 @@ class Supervisor:
         attempts = [
             int(e.get("attempt", -1))
             for e in read_journal(self.run_dir)
-            if e.get("kind") == "attempt_start" and e["details"].get("host") == self.host
+            if e.get("kind") == EVENT_ATTEMPT_START and e["details"].get("host") == self.host
         ]
         return max(attempts, default=-1) + 1
 
@@ -391,7 +404,10 @@ class Supervisor:
         supervisors, so the crash-loop rule also holds across requeues."""
         best, stalled = -1, 0
         for e in read_journal(self.run_dir):
-            if e.get("kind") != "attempt_end" or e["details"].get("host", self.host) != self.host:
+            if (
+                e.get("kind") != EVENT_ATTEMPT_END
+                or e["details"].get("host", self.host) != self.host
+            ):
                 continue
             step = e["details"].get("best_step")
             if e["details"].get("outcome") == OK or (step is not None and step > best):
@@ -402,11 +418,11 @@ class Supervisor:
         return best, stalled
 
     def _log_path(self, attempt: int) -> str:
-        return os.path.join(self.run_dir, "attempts", str(attempt), "output.log")
+        return os.path.join(self.run_dir, ATTEMPTS_DIR, str(attempt), "output.log")
 
     @staticmethod
     def _say(msg: str) -> None:
-        print(f"[orchestrator] {msg}", file=sys.stderr, flush=True)
+        logger.warning("%s", msg)  # what a person watching the job must see
 
 
 def _describe(returncode: int) -> str:

@@ -1,10 +1,10 @@
 """The Guard's durable tier: when to persist, what each rank writes, and resume on start.
 
-Storage itself is in :mod:`orchestrator.persist`; this module holds the decisions, which
-must be identical on every rank. They are functions of the step and of the step's
-all-reduced control slots only (rank 0's persist timer, any writer busy, any write failed),
-never of a rank's own writer state, so no rank ever waits for a part that another rank
-decided not to write.
+Storage itself is in :mod:`orchestrator.store` (written by :mod:`orchestrator.writer`); this
+module holds the decisions, which must be identical on every rank. They are functions of
+the step and of the step's all-reduced control slots only (rank 0's persist timer, any
+writer busy, any write failed), never of a rank's own writer state, so no rank ever waits
+for a part that another rank decided not to write.
 """
 
 from __future__ import annotations
@@ -21,18 +21,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from orchestrator.comm import Comm
 from orchestrator.detect import PERSIST_BUSY, PERSIST_FAILED, PERSIST_REQUEST
 from orchestrator.engines import Engine
+from orchestrator.errors import PersistError
 from orchestrator.faults import FaultInjector
 from orchestrator.journal import Journal
-from orchestrator.persist import (
-    DurableStore,
-    LocalTier,
-    Persister,
-    PersistError,
-    default_url,
-    storage_retry,
-)
 from orchestrator.policy import Policy
 from orchestrator.snapshot import Snapshot
+from orchestrator.store import DurableStore, default_url, storage_retry
+from orchestrator.writer import LocalTier, Persister
 
 #: A state tree to restore, the manifest it came with, and the store URL it came from.
 Resumable = tuple[dict[str, Any], dict[str, Any], str]

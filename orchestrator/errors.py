@@ -11,18 +11,40 @@ Two families, kept apart on purpose:
 
 from __future__ import annotations
 
-# Worker exit codes. Documented in README.md ("Exit codes"); the supervisor classifies on them.
-EXIT_OK = 0
-EXIT_GAVE_UP = 71  # incident or data budget spent: restarting would loop, do not restart
-EXIT_UNHEALTHY = 72  # a health check failed on this rank: restart elsewhere / evict the node
-EXIT_PREEMPTED = 73  # stopped on request after a durable snapshot: requeue
-# Supervisor only (``orchestrator launch``):
-EXIT_CRASH_LOOP = 74  # attempts in a row made no progress: a bug or a broken node, not luck
-EXIT_RESTARTS_EXHAUSTED = 75  # supervisor.max_restarts spent
+# Worker exit codes (orchestrator.protocol; README "Exit codes"), re-exported here.
+from orchestrator.protocol import (
+    EXIT_CRASH_LOOP,
+    EXIT_GAVE_UP,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_RESTARTS_EXHAUSTED,
+    EXIT_UNHEALTHY,
+)
+
+__all__ = [
+    "EXIT_CRASH_LOOP",
+    "EXIT_GAVE_UP",
+    "EXIT_OK",
+    "EXIT_PREEMPTED",
+    "EXIT_RESTARTS_EXHAUSTED",
+    "EXIT_UNHEALTHY",
+    "GaveUp",
+    "OrchestratorError",
+    "PersistError",
+    "PolicyError",
+    "Preempted",
+    "RunStop",
+    "Unhealthy",
+    "UsageError",
+]
 
 
 class OrchestratorError(Exception):
     """Base class of every recoverable error raised by this library."""
+
+
+class PersistError(OrchestratorError):
+    """A durable snapshot could not be written or is not valid."""
 
 
 class PolicyError(OrchestratorError):

@@ -16,8 +16,14 @@ import signal
 import threading
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from orchestrator.journal import Journal, read_journal
+from orchestrator.store import step_dir
+
+if TYPE_CHECKING:
+    from orchestrator.store import DurableStore
+
 from orchestrator.policy import (
     CorruptAllreduceFault,
     CrashFault,
@@ -174,3 +180,16 @@ class FaultInjector:
 
     def truncate_due(self, step: int) -> bool:
         return self._take(TruncateSnapshotFault, step, at_or_after=True)
+
+    @staticmethod
+    def truncate(store: DurableStore, step: int) -> str:
+        """``truncate_snapshot``: cut the largest tensor file of rank 0's part of a committed
+        snapshot in half (validation on resume must catch it)."""
+        part = store.path(step_dir(step), "rank_0")
+        files = [i for i in store.fs.ls(part, detail=True) if i["name"].endswith(".distcp")]
+        victim = max(files, key=lambda i: i["size"])["name"]
+        with store.fs.open(victim, "rb") as f:
+            data = f.read()
+        with store.fs.open(victim, "wb") as f:
+            f.write(data[: len(data) // 2])
+        return str(victim)

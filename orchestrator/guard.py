@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import math
 import os
 import signal
@@ -53,6 +52,7 @@ from orchestrator.engines import Engine, TorchEngine
 from orchestrator.engines.fsdp import FSDP1Engine, FSDP2Engine, is_fsdp2
 from orchestrator.errors import (
     OrchestratorError,
+    PersistError,
     PolicyError,
     Preempted,
     RunStop,
@@ -64,17 +64,14 @@ from orchestrator.heartbeat import Heartbeat
 from orchestrator.incident import Incident
 from orchestrator.isolate import Bisection
 from orchestrator.journal import Journal
+from orchestrator.logs import RankLogger
 from orchestrator.metrics import Metrics
-from orchestrator.persist import PersistError
 from orchestrator.policy import NanModuleFault, Policy, load_policy
-from orchestrator.quarantine import LEDGER_NAME, Ledger
+from orchestrator.protocol import ENV_ATTEMPT, ENV_RUN_DIR, LEDGER_NAME, POLICY_NAME
+from orchestrator.quarantine import Ledger
 from orchestrator.recovery import INCIDENT, PROBE, IncidentPipeline
+from orchestrator.recovery import logger as recovery_logger
 from orchestrator.snapshot import Snapshot, SnapshotRing
-
-logger = logging.getLogger(__name__)
-
-ENV_RUN_DIR = "ORCHESTRATOR_RUN_DIR"
-ENV_ATTEMPT = "ORCHESTRATOR_ATTEMPT"
 
 # Outcomes of Guard.step.
 COMMIT, OVERFLOW_SKIP, ACCUMULATE = "commit", "overflow_skip", "accumulate"
@@ -126,6 +123,7 @@ class Guard(IncidentPipeline):
         self.run_dir = self._resolve_run_dir(run_dir)
         self.attempt = int(os.environ.get(ENV_ATTEMPT, "0"))
         self.journal = Journal(self.run_dir, self.comm.global_rank, self.attempt)
+        self.log = RankLogger(recovery_logger, self.comm.global_rank, lambda: self.global_step)
         self.ring = SnapshotRing(self.policy.snapshot.keep)
         self.adjuster = LRAdjuster(self.policy.adjust)
         self.spikes = SpikeDetector(self.policy.detect.spike)
@@ -203,7 +201,7 @@ class Guard(IncidentPipeline):
         )
         self.health = HealthChecker(h, self.comm, self.faults, self.run_dir) if wanted else None
         if self.comm.rank == 0:
-            with open(os.path.join(self.run_dir, "policy.yaml"), "w", encoding="utf-8") as f:
+            with open(os.path.join(self.run_dir, POLICY_NAME), "w", encoding="utf-8") as f:
                 yaml.safe_dump(self.policy.model_dump(mode="json"), f, sort_keys=False)
         self._event(
             "run_start",
@@ -542,7 +540,8 @@ class Guard(IncidentPipeline):
         budget's denominator): the position in the unfiltered order, all after an epoch."""
         assert self._sampler is not None
         n = self._sampler.num_samples
-        return n if self._pos[0] >= 1 else max(1, min(n, self._next_offset))
+        reached = max(self._pos[1], self._next_offset)  # _next_offset: 0 until a batch runs
+        return n if self._pos[0] >= 1 else max(1, min(n, reached))
 
     def _new_step(self) -> None:
         self._micro, self._step_positions, self._step_ids = 0, [], []

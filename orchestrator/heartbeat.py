@@ -23,7 +23,8 @@ import threading
 import time
 from typing import Any
 
-HEARTBEAT_DIR = "heartbeats"
+from orchestrator.protocol import HEARTBEAT_DIR
+
 # Where a rank is in its step, in order. A rank blocked in a collective waits for the ranks
 # at an earlier position; other phases (recovered, closing, ...) are not compared.
 STEP_PHASES = ("train", "backward", "check")

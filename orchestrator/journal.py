@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-JOURNAL_NAME = "journal.jsonl"
+from orchestrator.protocol import JOURNAL_NAME
 
 
 class Journal:

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from orchestrator.policy import MetricsPolicy
-
-METRICS_NAME = "metrics.jsonl"
+from orchestrator.protocol import METRICS_NAME
 
 
 class Metrics:

@@ -16,8 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from orchestrator.errors import PolicyError
-
-ENV_POLICY = "ORCHESTRATOR_POLICY"
+from orchestrator.protocol import ENV_POLICY
 
 __all__ = ["ENV_POLICY", "Policy", "load_policy", "parse_policy"]
 

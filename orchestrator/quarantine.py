@@ -16,8 +16,6 @@ import fsspec
 
 from orchestrator.errors import OrchestratorError
 
-LEDGER_NAME = "quarantine.jsonl"
-
 
 class Ledger:
     def __init__(self, url: str) -> None:

@@ -25,8 +25,9 @@ from orchestrator.engines import TorchEngine
 from orchestrator.errors import GaveUp, Unhealthy
 from orchestrator.incident import Incident
 from orchestrator.isolate import Bisection
-from orchestrator.persist import storage_retry
+from orchestrator.logs import RankLogger
 from orchestrator.policy import NanModuleFault
+from orchestrator.store import storage_retry
 
 if TYPE_CHECKING:
     from orchestrator.adjust import LRAdjuster
@@ -86,6 +87,7 @@ class IncidentPipeline:
         def _probe_judges_grads(self) -> bool: ...
 
         _evidence: dict[str, Any]
+        log: RankLogger
 
         def _event(self, kind: str, **details: Any) -> None: ...
         def _samples_seen(self) -> int: ...
@@ -365,7 +367,7 @@ class IncidentPipeline:
         inc.duration_s = time.time() - inc.started_at
         self._event("recovered", incident=inc.to_dict())
         if self.comm.rank == 0:
-            logger.warning("%s", inc.format())
+            self.log.warning("%s", inc.format())
         self._open = None
         self.heartbeat.beat(self.global_step, phase="recovered", force=True)
 
@@ -379,7 +381,7 @@ class IncidentPipeline:
             return True
         except (OSError, TimeoutError) as err:
             self.journal.write("ledger_failed", step, {"samples": ids, "error": repr(err)})
-            logger.error("quarantine ledger %s not written: %r", self.ledger.url, err)
+            self.log.error("quarantine ledger %s not written: %r", self.ledger.url, err)
             return False
 
     def _check_health(self, reason: str, before_stop: Callable[[], None] | None = None) -> None:
@@ -408,7 +410,7 @@ class IncidentPipeline:
         # Every rank has the same report unless a collective timed out; then each stops on
         # what it saw, and the journal of whichever rank 0 is left says the rest.
         if self.comm.rank == 0 or report.ranks[0]["rank"] != 0:
-            logger.error(
+            self.log.error(
                 "UNHEALTHY (%s): %s. Exclude these nodes and restart.",
                 reason,
                 "; ".join(f"rank {r} on {h}: {report.bad[r]}" for r, h in named.items()),
@@ -462,10 +464,8 @@ class IncidentPipeline:
         }
         self._event("gave_up", **summary)
         if self.comm.rank == 0:
-            logger.error(
-                "GAVE UP at step %d: %s. Journal: %s. Look at the incidents above, fix the "
-                "data or lower the LR, then start again.",
-                self.global_step,
+            self.log.error(
+                "GAVE UP: %s. Journal: %s (gave_up and the incidents before it).",
                 why,
                 self.journal.path,
             )

@@ -130,18 +130,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--full-matrix",
         action="store_true",
-        help="run every engine x architecture cell of tests/test_models.py, not only the "
-        "reduced matrix (about 10 more minutes on 2 cores)",
+        help="run the full matrix: every engine x architecture cell of tests/test_models.py, "
+        "and the older per-engine tests those cells cover (about 12 more minutes on 2 cores)",
     )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--full-matrix"):
         return
-    skip = pytest.mark.skip(reason="a cell of the full model matrix: pytest --full-matrix")
+    skip = pytest.mark.skip(reason="full matrix only (pytest --full-matrix)")
     for item in items:
         if "matrix" in item.keywords:
             item.add_marker(skip)
+
+
+def assert_resharded(one: dict[str, Any], shards: list[dict[str, Any]]) -> None:
+    """``one`` (a 1-rank FSDP2 state) is the 2-rank ``shards`` put back together, bit for
+    bit: every dim-0 shard of the model and the optimizer state, empty ones included."""
+    for name, full in one["model"].items():
+        assert_bitwise_equal(full, torch.cat([s["model"][name] for s in shards]), name)
+    for index, entries in one["optim"]["state"].items():
+        for key, value in entries.items():
+            parts = [s["optim"]["state"][index][key] for s in shards]
+            want = parts[0] if value.dim() == 0 else torch.cat(parts)
+            assert_bitwise_equal(value, want, f"optim {index} {key}")
 
 
 pytest_plugins = ["s3_server"]

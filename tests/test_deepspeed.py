@@ -39,15 +39,23 @@ def ds_train(run_dir: Path, *args: str, policy: dict[str, Any]) -> None:
     assert r.returncode == 0, r.stdout[-4000:]
 
 
+class CleanRuns(dict[str, Path]):
+    """Fault-free runs, one per configuration, each made the first time a test needs it
+    and shared by the tests after."""
+
+    def __init__(self, base: Path) -> None:
+        super().__init__()
+        self.base = base
+
+    def __missing__(self, name: str) -> Path:
+        ds_train(self.base / name, *CONFIGS[name], policy=NO_Q)
+        self[name] = self.base / name
+        return self[name]
+
+
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Fault-free runs, one per configuration, shared by the tests below."""
-    base = tmp_path_factory.mktemp("ds-clean")
-    runs = {}
-    for name, args in CONFIGS.items():
-        ds_train(base / name, *args, policy=NO_Q)
-        runs[name] = base / name
-    return runs
+def clean(tmp_path_factory: pytest.TempPathFactory) -> CleanRuns:
+    return CleanRuns(tmp_path_factory.mktemp("ds-clean"))
 
 
 CONFIGS = {
@@ -86,7 +94,13 @@ def test_internal_methods_exist_in_this_deepspeed() -> None:
 
 @pytest.mark.parametrize(
     ("config", "step"),
-    [*((c, 17) for c in CONFIGS), ("zero3", 3)],  # step 3: back to before any optimizer state
+    [
+        # ZeRO 1/2/3 rolling back mid-run are cells of tests/test_models.py (real models,
+        # uneven shapes); here in the full matrix only.
+        *(pytest.param(c, 17, marks=pytest.mark.matrix) for c in ("zero1", "zero2", "zero3")),
+        ("zero2-gas2", 17),
+        ("zero3", 3),  # step 3: back to before any optimizer state
+    ],
 )
 def test_nan_grad_rolls_back_bit_for_bit(
     tmp_path: Path, clean: dict[str, Path], config: str, step: int

@@ -15,7 +15,7 @@ from inproc import events
 from inproc import train as train_inproc
 
 from conftest import REPO, assert_bitwise_equal, final_states, kinds, train
-from orchestrator.persist import DurableStore
+from orchestrator.store import DurableStore
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -130,7 +130,7 @@ def test_permanent_storage_errors_are_journaled_and_training_goes_on(tmp_path: P
 
 
 def test_required_persist_stops_training(tmp_path: Path) -> None:
-    from orchestrator.persist import PersistError
+    from orchestrator.errors import PersistError
 
     policy = {
         "persist": {"every_steps": 10, "retries": 1, "required": True},
@@ -230,7 +230,7 @@ def test_rollback_invalidates_newer_durable_snapshots(tmp_path: Path) -> None:
 
 
 def test_no_valid_snapshot_stops_instead_of_starting_over(tmp_path: Path) -> None:
-    from orchestrator.persist import PersistError
+    from orchestrator.errors import PersistError
 
     train_inproc(tmp_path, {"persist": {"every_steps": 10}}, steps=20)
     for f in (tmp_path / "snapshots").glob("step_*/rank_0/*.distcp"):

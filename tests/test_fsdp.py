@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_bitwise_equal, final_states, kinds, train
+from conftest import assert_bitwise_equal, assert_resharded, final_states, kinds, train
 from orchestrator.data import GuardBatchSampler
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,7 +27,14 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-@pytest.mark.parametrize("extra", [[], ["--act-ckpt"]], ids=["plain", "activation-ckpt"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        # plain: a cell of tests/test_models.py (real models, uneven shards); full matrix only
+        pytest.param([], marks=pytest.mark.matrix, id="plain"),
+        pytest.param(["--act-ckpt"], id="activation-ckpt"),
+    ],
+)
 def test_fsdp2_transient_nan_rolls_back_bit_for_bit(
     tmp_path: Path, clean: Path, extra: list[str]
 ) -> None:
@@ -45,6 +52,8 @@ def test_fsdp2_transient_nan_rolls_back_bit_for_bit(
         assert_bitwise_equal(a, b, "final shards")
 
 
+# Real bad samples under FSDP2: tests/test_data_budget.py. Full matrix only.
+@pytest.mark.matrix
 def test_fsdp2_poison_sample_quarantined_bit_for_bit(tmp_path: Path) -> None:
     sampler = GuardBatchSampler(1024, 8, rank=0, world_size=2, seed=7)
     bad = sampler.global_batch_at(0, 45 * 16)[13]
@@ -73,6 +82,8 @@ def test_fsdp2_snapshot_holds_only_local_shards(tmp_path: Path, clean: Path) -> 
     assert shard_bytes <= 0.6 * full_bytes, (shard_bytes, full_bytes)
 
 
+# Also a cell of tests/test_models.py (real models, uneven shards): full matrix only.
+@pytest.mark.matrix
 def test_fsdp2_crash_resumes_at_the_same_world_size(tmp_path: Path, clean: Path) -> None:
     d = tmp_path / "run"
     policy = {
@@ -88,6 +99,8 @@ def test_fsdp2_crash_resumes_at_the_same_world_size(tmp_path: Path, clean: Path)
         assert_bitwise_equal(a, b, "final shards")
 
 
+# With uneven and empty shards: tests/test_models.py. Full matrix only.
+@pytest.mark.matrix
 def test_fsdp2_snapshot_of_two_ranks_resumes_at_one(tmp_path: Path, clean: Path) -> None:
     """The final durable snapshot of the 2-rank run, loaded by 1 rank: every shard lands
     where it belongs (the 1-rank state is the 2 shards concatenated), and training goes on."""
@@ -100,18 +113,14 @@ def test_fsdp2_snapshot_of_two_ranks_resumes_at_one(tmp_path: Path, clean: Path)
     resume = kinds(d, "resume")[-1]["details"]
     assert (resume["snapshot_step"], resume["saved_world_size"], resume["world_size"]) == (60, 2, 1)
     (one,) = final_states(d)
-    for name, full in one["model"].items():
-        assert_bitwise_equal(full, torch.cat([t["model"][name] for t in two]), name)
-    for index, entries in one["optim"]["state"].items():
-        for key, value in entries.items():
-            parts = [t["optim"]["state"][index][key] for t in two]
-            want = parts[0] if value.dim() == 0 else torch.cat(parts)
-            assert_bitwise_equal(value, want, f"optim {index} {key}")
+    assert_resharded(one, two)
     r = train(d, 1, "--fsdp", "--steps", "70", policy=EXACT, save=False)
     assert r.returncode == 0, r.stdout[-3000:]
     assert kinds(d, "run_end")[-1]["details"]["steps"] == 70
 
 
+# Also a cell of tests/test_models.py (real models, uneven shards): full matrix only.
+@pytest.mark.matrix
 def test_fsdp1_transient_nan_rolls_back_bit_for_bit(tmp_path: Path) -> None:
     base = {**EXACT, "quarantine": {"enabled": False}}
     clean1 = tmp_path / "clean"

@@ -122,3 +122,22 @@ def test_policy_clip_equals_clipping_by_hand(tmp_path: Path, scaled: bool) -> No
     for name, value in by_policy["model"].items():
         torch.testing.assert_close(value, by_hand["model"][name], rtol=1e-5, atol=1e-7)
         assert not torch.allclose(value, unclipped["model"][name]), name
+
+
+@pytest.mark.parametrize("rerun", [False, True], ids=["isolation", "isolation+forensics"])
+def test_a_bad_sample_is_explained_by_data_and_keeps_the_lr(tmp_path: Path, rerun: bool) -> None:
+    """A real bad sample (a target whose squared error overflows) is isolated, quarantined
+    and charged to the data budget, with the LR kept, whether or not diagnose.rerun is on."""
+    data = Regression()
+    data.y[37] = 3e38
+    guard, _, outcomes = train(tmp_path / "run", {"diagnose": {"rerun": rerun}}, dataset=data)
+    assert "incident" in outcomes and guard.adjuster.multiplier() == 1.0
+    (inc,) = events(tmp_path / "run", "incident")
+    assert (inc["details"]["cause"], inc["details"]["why"], inc["details"]["budget"]) == (
+        "data",
+        "isolated",
+        "data",
+    )
+    (q,) = events(tmp_path / "run", "quarantine")
+    assert q["details"]["samples"] == [37] and q["details"]["total"] == 1
+    assert [e["details"]["phase"] for e in events(tmp_path / "run", "adjust")] == ["kept"]

@@ -44,7 +44,8 @@ def test_report_of_the_demo(demo: Path, tmp_path: Path) -> None:
     assert len(incident) == 1 and incident[0][1] == "37"
     assert incident[0][4].startswith("rolled back to 30")
     assert [r[2] for r in rows].count("restart") == 1 and "resume" in [r[2] for r in rows]
-    assert "| incidents | 1 |" in md and "| restarts | 1 |" in md
+    assert "| incidents | 1 (0 explained by data, 1 unexplained) |" in md
+    assert "| restarts | 1 |" in md
     metrics = [json.loads(line) for line in (demo / "metrics.jsonl").read_text().splitlines()]
     assert {"loss", "grad_norm", "lr", "step"} <= set(metrics[-1])
     assert max(m["step"] for m in metrics) == 119  # the demo's last step (0-based)

@@ -163,3 +163,26 @@ def test_script_without_the_library_gets_crash_restarts(tmp_path: Path) -> None:
     (restart,) = kinds(d, "restart")
     assert restart["details"]["cause"] == "crash" and restart["details"]["returncode"] < 0
     assert "second attempt ok 1" in (d / "attempts" / "1" / "output.log").read_text()
+
+
+def test_launch_half_runs_without_torch(tmp_path: Path) -> None:
+    """`orchestrator launch --help`, `validate` and a whole supervised run of a plain script
+    work in a process where importing torch fails: the supervisor never imports it."""
+    no_torch = (
+        "import sys; sys.modules['torch'] = None  # any `import torch` now raises\n"
+        "from launch.cli import main; code = main(sys.argv[1:])\n"
+        "assert sys.modules['torch'] is None; sys.exit(code)\n"
+    )
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return run([sys.executable, "-c", no_torch, *args], timeout=60)
+
+    r = cli("launch", "--help")
+    assert r.returncode == 0 and "--run-dir" in r.stdout, r.stdout
+    r = cli("validate", str(REPO / "configs" / "default.yaml"))
+    assert r.returncode == 0, r.stdout
+    d = tmp_path / "run"
+    r = cli("launch", "--run-dir", str(d), "--", sys.executable, "-c", "print('trained')")
+    assert r.returncode == 0, r.stdout
+    (end,) = kinds(d, "supervisor_exit")
+    assert end["details"]["exit_code"] == 0

@@ -1,4 +1,6 @@
-"""Durable snapshots: sealed host snapshots written through fsspec, committed atomically.
+"""The durable store: snapshots laid out, committed, validated and pruned under one fsspec
+URL. It stores; what to persist and when, and what to resume from, is decided in
+:mod:`orchestrator.durable`; the background thread that writes is :mod:`orchestrator.writer`.
 
 Layout under ``persist.url`` (any fsspec URL)::
 
@@ -28,10 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
-import queue
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -49,13 +48,11 @@ from tenacity import (
     wait_random_exponential,
 )
 
-from orchestrator.errors import OrchestratorError
-from orchestrator.faults import FaultInjector
-from orchestrator.journal import Journal
+from orchestrator.codec import decode, dtype_of, encode, tensors_of
+from orchestrator.errors import PersistError
 from orchestrator.policy import PersistPolicy
-from orchestrator.snapshot import Snapshot, _Leaf
-
-logger = logging.getLogger(__name__)
+from orchestrator.protocol import SNAPSHOTS_DIR
+from orchestrator.snapshot import Snapshot
 
 # Each rank writes and reads its own part with DCP's no_dist mode on purpose; DCP warns
 # about that on every call. Only that message, only from DCP.
@@ -67,10 +64,6 @@ warnings.filterwarnings(
 
 MANIFEST, MARKER = "manifest.json", "COMMITTED"
 TRANSIENT = (OSError, TimeoutError)  # what storage throws when it is only having a bad moment
-
-
-class PersistError(OrchestratorError):
-    """A durable snapshot could not be written or is not valid."""
 
 
 def storage_retry(
@@ -90,68 +83,6 @@ def step_dir(step: int) -> str:
     return f"step_{step:09d}"
 
 
-# --- state <-> (JSON, tensors) ------------------------------------------------------------
-def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor], bufs: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _Leaf):
-        tensors[path] = bufs[obj.index]
-        return {"__tensor__": path}
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj):
-            return {k: _encode(v, f"{path}/{k}", tensors, bufs) for k, v in obj.items()}
-        return {
-            "__items__": [[k, _encode(v, f"{path}/{k}", tensors, bufs)] for k, v in obj.items()]
-        }
-    if isinstance(obj, list):
-        return [_encode(v, f"{path}/{i}", tensors, bufs) for i, v in enumerate(obj)]
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, f"{path}/{i}", tensors, bufs) for i, v in enumerate(obj)]}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if type(obj).__module__ == "numpy" and hasattr(obj, "tolist"):  # numpy RNG state arrays
-        return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
-    raise PersistError(
-        f"state entry {path} holds a {type(obj).__name__}, which cannot be persisted as JSON; "
-        "make its state_dict() return plain values and tensors"
-    )
-
-
-def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        if "__items__" in obj:
-            return {k: _decode(v, tensors) for k, v in obj["__items__"]}
-        if "__tuple__" in obj:
-            return tuple(_decode(v, tensors) for v in obj["__tuple__"])
-        if "__ndarray__" in obj:
-            import numpy as np
-
-            return np.asarray(obj["__ndarray__"], dtype=obj["dtype"])
-        return {k: _decode(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_decode(v, tensors) for v in obj]
-    return obj
-
-
-def _tensors(obj: Any, path: str, out: dict[str, torch.Tensor]) -> None:
-    """Collect the tensors of a loaded tree by path (for the finiteness check)."""
-    if isinstance(obj, torch.Tensor):
-        out[path] = obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _tensors(v, f"{path}/{k}", out)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _tensors(v, f"{path}/{i}", out)
-
-
-def _dtype(name: str) -> torch.dtype:
-    dt = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise PersistError(f"unknown tensor dtype {name!r} in a snapshot part")
-    return dt
-
-
 # --- the store ----------------------------------------------------------------------------
 @dataclass
 class Candidate:
@@ -167,7 +98,7 @@ class DurableStore:
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
 
-    def _p(self, *parts: str) -> str:
+    def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
     def _fresh(self) -> None:
@@ -193,13 +124,13 @@ class DurableStore:
         native = {k: v for k, v in (native or {}).items() if k in keys}
         tensors: dict[str, torch.Tensor] = {}
         skeleton: dict[str, Any] = {
-            k: _encode(snap.skeleton[k], k, tensors, snap.buffers) for k in keys if k not in native
+            k: encode(snap.skeleton[k], k, tensors, snap.buffers) for k in keys if k not in native
         }
         d = step_dir(snap.step)
-        part = self._p(d, f"rank_{rank}")
+        part = self.path(d, f"rank_{rank}")
         self.fs.makedirs(part, exist_ok=True)
         if tensors:
-            writer = _writer(self.fs, part)
+            writer = dcp_writer(self.fs, part)
             dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
         files: dict[str, dict[str, Any]] = {}
         for info in self.fs.ls(part, detail=True):
@@ -209,14 +140,14 @@ class DurableStore:
                 "sha256": self._sha(info["name"]),
             }
         for key, rel in native.items():
-            path = self._p(d, rel)
+            path = self.path(d, rel)
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             with self.fs.open(path, "wb") as f:
                 torch.save(snap.materialize(key, clone=False), f)
             skeleton[key] = {"__native__": rel}
             files[rel] = {"size": self.fs.size(path), "sha256": self._sha(path), "rank": rank}
         for rel, text in (texts or {}).items():
-            path = self._p(d, rel)
+            path = self.path(d, rel)
             with self.fs.open(path, "w", encoding="utf-8") as f:
                 f.write(text)
             files[rel] = {"size": self.fs.size(path), "sha256": self._sha(path), "rank": rank}
@@ -230,7 +161,7 @@ class DurableStore:
             "tensors": {p: [list(t.shape), str(t.dtype)] for p, t in tensors.items()},
             "files": files,
         }
-        self._write_json(self._p(d, f"rank_{rank}.json"), doc)
+        self._write_json(self.path(d, f"rank_{rank}.json"), doc)
         return sum(int(f["size"]) for f in files.values())
 
     def commit(
@@ -251,7 +182,7 @@ class DurableStore:
         while len(parts) < len(expected):
             self._fresh()
             for r in expected:
-                path = self._p(d, f"rank_{r}.json")
+                path = self.path(d, f"rank_{r}.json")
                 if r not in parts and self.fs.exists(path):
                     doc = self._read_json_or_none(path)
                     if doc is not None and doc.get("nonce") == nonce:
@@ -269,7 +200,7 @@ class DurableStore:
             files.update(parts[r]["files"])
             files[f"rank_{r}.json"] = {
                 "size": None,
-                "sha256": self._sha(self._p(d, f"rank_{r}.json")),
+                "sha256": self._sha(self.path(d, f"rank_{r}.json")),
             }
         manifest = {
             "step": step,
@@ -280,8 +211,8 @@ class DurableStore:
             "files": files,
             **extra,
         }
-        self._write_json(self._p(d, MANIFEST), manifest)
-        with self.fs.open(self._p(d, MARKER), "w") as f:
+        self._write_json(self.path(d, MANIFEST), manifest)
+        with self.fs.open(self.path(d, MARKER), "w") as f:
             f.write(str(step))
         return manifest
 
@@ -322,11 +253,11 @@ class DurableStore:
                 step = int(name[len("step_") :])
             except ValueError:
                 continue
-            committed = self.fs.exists(self._p(name, MARKER))
+            committed = self.fs.exists(self.path(name, MARKER))
             manifest = None
             if committed:
                 try:
-                    manifest = self._read_json(self._p(name, MANIFEST))
+                    manifest = self._read_json(self.path(name, MANIFEST))
                 except (OSError, ValueError):
                     manifest = None
             out.append(Candidate(step, committed, manifest))
@@ -347,7 +278,7 @@ class DurableStore:
             )
             if owner not in {f"rank_{r}" for r in ranks}:
                 continue
-            path = self._p(d, rel)
+            path = self.path(d, rel)
             if not self.fs.exists(path):
                 raise PersistError(f"snapshot {step}: {rel} is missing")
             size = self.fs.size(path)
@@ -364,23 +295,25 @@ class DurableStore:
     def load_part(self, step: int, rank: int) -> dict[str, Any]:
         """The state tree of one rank's part (only call after validate_files)."""
         d = step_dir(step)
-        doc = self._read_json(self._p(d, f"rank_{rank}.json"))
+        doc = self._read_json(self.path(d, f"rank_{rank}.json"))
         template = {
-            p: torch.empty(shape, dtype=_dtype(dt)) for p, (shape, dt) in doc["tensors"].items()
+            p: torch.empty(shape, dtype=dtype_of(dt)) for p, (shape, dt) in doc["tensors"].items()
         }
         if template:
             dcp.load(
-                template, storage_reader=_reader(self.fs, self._p(d, f"rank_{rank}")), no_dist=True
+                template,
+                storage_reader=dcp_reader(self.fs, self.path(d, f"rank_{rank}")),
+                no_dist=True,
             )
         tree: dict[str, Any] = {}
         for key, enc in doc["skeleton"].items():
             if isinstance(enc, dict) and "__native__" in enc:
                 # An engine's own format (pickled: its checksum was verified before this).
-                with self.fs.open(self._p(d, enc["__native__"]), "rb") as f:
+                with self.fs.open(self.path(d, enc["__native__"]), "rb") as f:
                     tree[key] = torch.load(f, map_location="cpu", weights_only=False)
-                _tensors(tree[key], key, template)
+                tensors_of(tree[key], key, template)
             else:
-                tree[key] = _decode(enc, template)
+                tree[key] = decode(enc, template)
         for path, t in template.items():
             if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 raise PersistError(
@@ -396,29 +329,18 @@ class DurableStore:
         nonce tells them apart); leftovers are pruned once a newer step is committed."""
         gone = [c.step for c in self.candidates() if c.step > step and c.committed]
         for s in gone:
-            self.fs.rm(self._p(step_dir(s), MARKER))
-            manifest = self._p(step_dir(s), MANIFEST)
+            self.fs.rm(self.path(step_dir(s), MARKER))
+            manifest = self.path(step_dir(s), MANIFEST)
             if self.fs.exists(manifest):
                 self.fs.rm(manifest)
         return gone
 
     def _delete(self, step: int) -> None:
         # The marker goes first: a half-deleted snapshot must never look committed.
-        marker = self._p(step_dir(step), MARKER)
+        marker = self.path(step_dir(step), MARKER)
         if self.fs.exists(marker):
             self.fs.rm(marker)
-        self.fs.rm(self._p(step_dir(step)), recursive=True)
-
-    def truncate_one(self, step: int) -> str:
-        """Fault injection: cut the largest tensor file of rank 0's part in half."""
-        part = self._p(step_dir(step), "rank_0")
-        files = [i for i in self.fs.ls(part, detail=True) if i["name"].endswith(".distcp")]
-        victim = max(files, key=lambda i: i["size"])["name"]
-        with self.fs.open(victim, "rb") as f:
-            data = f.read()
-        with self.fs.open(victim, "wb") as f:
-            f.write(data[: len(data) // 2])
-        return str(victim)
+        self.fs.rm(self.path(step_dir(step)), recursive=True)
 
     def check(self, cand: Candidate) -> str | None:
         """Full validation of one snapshot, every rank's part: None if valid, else why not."""
@@ -456,7 +378,7 @@ class DurableStore:
         return doomed
 
 
-def _writer(fs: Any, path: str) -> dcp.StorageWriter:
+def dcp_writer(fs: Any, path: str) -> dcp.StorageWriter:
     if _is_local(fs):
         return dcp.FileSystemWriter(path, sync_files=True)
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
@@ -464,7 +386,7 @@ def _writer(fs: Any, path: str) -> dcp.StorageWriter:
     return FsspecWriter(fs.unstrip_protocol(path), sync_files=False)
 
 
-def _reader(fs: Any, path: str) -> dcp.StorageReader:
+def dcp_reader(fs: Any, path: str) -> dcp.StorageReader:
     if _is_local(fs):
         return dcp.FileSystemReader(path)
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -476,233 +398,5 @@ def _is_local(fs: Any) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
-# --- the background writer ----------------------------------------------------------------
-@dataclass
-class LocalTier:
-    """The node-local copy (e.g. /dev/shm): the node's lowest rank writes the shared state,
-    every rank its own part, and the leader commits once its node's parts are there."""
-
-    store: DurableStore
-    leader: int
-    node_ranks: list[int]
-
-
-@dataclass
-class _Write:
-    snap: Snapshot
-    keys: list[str]
-    local_keys: list[str]
-    nonce: str
-    native: dict[str, str]
-    texts: dict[str, str]
-
-
-@dataclass
-class _Invalidate:
-    after_step: int
-
-
-class Persister:
-    """One daemon thread per rank that writes sealed snapshots, one at a time, in order with
-    invalidations of snapshots from an abandoned timeline.
-
-    The training thread never waits for it. It never decides on its own either: the Guard
-    reads ``busy`` into the step's all-reduce and submits, or skips, on every rank alike.
-    The snapshot handed over stays held in the ring until the Guard sees every rank idle.
-    """
-
-    def __init__(
-        self,
-        policy: PersistPolicy,
-        store: DurableStore,
-        rank: int,
-        world_size: int,
-        journal: Journal,
-        extra: dict[str, Any],
-        faults: FaultInjector,
-        local: LocalTier | None = None,
-    ) -> None:
-        self.policy = policy
-        self.local = local
-        self.store = store
-        self.rank = rank
-        self.world_size = world_size
-        self.journal = journal
-        self.extra = extra
-        self.faults = faults
-        self.failed = False  # a write ran out of retries (read by the training thread)
-        self.done: set[int] = set()  # steps whose write (rank 0: commit) succeeded
-        self._q: queue.Queue[_Write | _Invalidate | None] = queue.Queue()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._thread = threading.Thread(target=self._run, name="orchestrator-persist", daemon=True)
-        self._thread.start()
-
-    @property
-    def busy(self) -> bool:
-        return not self._idle.is_set()
-
-    def submit(
-        self,
-        snap: Snapshot,
-        keys: list[str],
-        local_keys: list[str],
-        nonce: str,
-        native: dict[str, str] | None = None,
-        texts: dict[str, str] | None = None,
-    ) -> None:
-        """Write this rank's part (``keys``; ``local_keys`` on the node-local tier) of
-        ``snap``. ``nonce`` names this attempt at it, so no part left over from another
-        attempt or timeline is ever committed with it. ``native``/``texts``: see
-        :meth:`DurableStore.write_part`."""
-        self._idle.clear()
-        self._q.put(_Write(snap, keys, local_keys, nonce, native or {}, texts or {}))
-
-    def invalidate_after(self, step: int) -> None:
-        """Delete durable snapshots newer than ``step``, after the writes in flight: rank 0
-        on the remote store, each node's leader on its local tier."""
-        if self.rank == 0 or (self.local is not None and self.rank == self.local.leader):
-            self._idle.clear()
-            self._q.put(_Invalidate(step))
-
-    def _invalidate(self, step: int) -> None:
-        stores = [self.store] if self.rank == 0 else []
-        if self.local is not None and self.rank == self.local.leader:
-            stores.append(self.local.store)
-        for store in stores:
-            gone = self._retrying("invalidate", step)(store.uncommit_after, step)
-            if gone:
-                self.journal.write(
-                    "persist_invalidate", step, {"uncommitted_steps": gone, "url": store.url}
-                )
-
-    def wait_idle(self, timeout_s: float) -> bool:
-        return self._idle.wait(timeout_s)
-
-    def close(self, timeout_s: float | None = None) -> bool:
-        """Finish what is queued (bounded by ``timeout_s``), then stop. True if it stopped."""
-        self._q.put(None)
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
-
-    def _run(self) -> None:
-        while True:
-            task = self._q.get()
-            if task is None:
-                return
-            step = task.snap.step if isinstance(task, _Write) else task.after_step
-            try:
-                if isinstance(task, _Write):
-                    self._persist(task)
-                else:
-                    self._invalidate(step)
-            except Exception as err:  # keep the thread alive; the failure is journaled
-                self.failed = self.failed or isinstance(task, _Write)
-                logger.error("[rank %d] durable snapshot %d: %r", self.rank, step, err)
-                self.journal.write(
-                    "persist_failed", step, {"error": repr(err), "url": self.store.url}
-                )
-            finally:
-                if self._q.empty():
-                    self._idle.set()
-
-    def _retrying(self, what: str, step: int) -> Retrying:
-        def before_sleep(state: RetryCallState) -> None:
-            err = state.outcome.exception() if state.outcome else None
-            self.journal.write(
-                "persist_retry",
-                step,
-                {"op": what, "attempt": state.attempt_number, "error": repr(err)},
-            )
-
-        return storage_retry(self.policy, before_sleep)
-
-    def _persist_local(self, task: _Write) -> None:
-        """Best effort: a failure here is journaled and the remote write goes on."""
-        assert self.local is not None
-        snap, local, t0 = task.snap, self.local, time.perf_counter()
-        try:
-            local.store.write_part(
-                snap,
-                self.rank,
-                self.world_size,
-                task.local_keys,
-                task.nonce,
-                task.native,
-                task.texts if self.rank == local.leader else None,
-            )
-            if self.rank == local.leader:
-                local.store.commit(
-                    snap.step,
-                    self.world_size,
-                    task.nonce,
-                    self.extra,
-                    self.policy.commit_timeout_s,
-                    ranks=local.node_ranks,
-                )
-                local.store.prune(1, None)
-                self.journal.write(
-                    "persist_local",
-                    snap.step,
-                    {"url": local.store.url, "seconds": round(time.perf_counter() - t0, 4)},
-                )
-        except Exception as err:
-            self.journal.write(
-                "persist_local_failed", snap.step, {"error": repr(err), "url": local.store.url}
-            )
-
-    def _persist(self, task: _Write) -> None:
-        snap = task.snap
-        t0 = time.perf_counter()
-        snap.wait()
-        if self.local is not None:
-            self._persist_local(task)
-
-        def write() -> int:
-            self.faults.storage("write", snap.step)
-            return self.store.write_part(
-                snap,
-                self.rank,
-                self.world_size,
-                task.keys,
-                task.nonce,
-                task.native,
-                task.texts if self.rank == 0 else None,
-            )
-
-        nbytes = self._retrying("write", snap.step)(write)
-        written = time.perf_counter() - t0
-        if self.rank != 0:
-            self.done.add(snap.step)
-            return
-        manifest = self._retrying("commit", snap.step)(
-            self.store.commit,
-            snap.step,
-            self.world_size,
-            task.nonce,
-            self.extra,
-            self.policy.commit_timeout_s,
-        )
-        self.done.add(snap.step)
-        if self.faults.truncate_due(snap.step):
-            self.store.truncate_one(snap.step)
-        self.journal.write(
-            "persist",
-            snap.step,
-            {
-                "url": self.store.url,
-                "bytes": manifest["bytes"],
-                "rank0_bytes": nbytes,
-                "write_s": round(written, 4),
-                "commit_s": round(time.perf_counter() - t0, 4),
-            },
-        )
-        pruned = self._retrying("prune", snap.step)(
-            self.store.prune, self.policy.keep, self.policy.keep_every_steps
-        )
-        if pruned:
-            self.journal.write("persist_prune", snap.step, {"deleted_steps": pruned})
-
-
 def default_url(run_dir: str) -> str:
-    return os.path.join(run_dir, "snapshots")
+    return os.path.join(run_dir, SNAPSHOTS_DIR)

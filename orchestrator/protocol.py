@@ -1,0 +1,48 @@
+"""The protocol between the two halves: what the supervisor (``launch/``) and the Guard in
+every rank (``orchestrator/``) agree on. They talk only through environment variables, the
+run directory and exit codes (ARCHITECTURE), so those are named here, once.
+
+Torch-free on purpose: the supervisor imports this (and the policy), never torch, so
+``orchestrator launch`` runs, and stays small, in an environment that only launches.
+"""
+
+from __future__ import annotations
+
+# --- environment: set by the supervisor, read by the Guard ---------------------------------
+ENV_RUN_DIR = "ORCHESTRATOR_RUN_DIR"  # the run directory every rank writes into
+ENV_ATTEMPT = "ORCHESTRATOR_ATTEMPT"  # the supervisor's attempt number (journaled by ranks)
+ENV_POLICY = "ORCHESTRATOR_POLICY"  # path of the policy YAML
+
+# --- worker exit codes (README "Exit codes"); the supervisor classifies on them -------------
+EXIT_OK = 0
+EXIT_GAVE_UP = 71  # incident or data budget spent: restarting would loop, do not restart
+EXIT_UNHEALTHY = 72  # a health check failed on this rank: restart elsewhere / evict the node
+EXIT_PREEMPTED = 73  # stopped on request after a durable snapshot: requeue
+# Supervisor only (``orchestrator launch``):
+EXIT_CRASH_LOOP = 74  # attempts in a row made no progress: a bug or a broken node, not luck
+EXIT_RESTARTS_EXHAUSTED = 75  # supervisor.max_restarts spent
+
+# --- the run directory ----------------------------------------------------------------------
+JOURNAL_NAME = "journal.jsonl"  # one event per line, from every rank and the supervisor
+LEDGER_NAME = "quarantine.jsonl"  # the quarantine ledger (default place)
+METRICS_NAME = "metrics.jsonl"  # rank 0's per-step metrics
+POLICY_NAME = "policy.yaml"  # the resolved policy
+HEARTBEAT_DIR = "heartbeats"  # heartbeats/rank<r>.json
+ATTEMPTS_DIR = "attempts"  # attempts/<n>/ per-attempt logs (supervisor)
+SNAPSHOTS_DIR = "snapshots"  # durable snapshots (default persist.url)
+
+# --- journal events one half writes and the other reads -------------------------------------
+# Written by the ranks; the supervisor classifies an attempt by them (torchrun masks the
+# workers' own exit codes). "preempting" comes before the snapshot: a worker killed while
+# writing it was still preempted.
+EVENT_GAVE_UP = "gave_up"
+EVENT_UNHEALTHY = "unhealthy"
+EVENT_PREEMPTED = "preempted"
+EVENT_PREEMPTING = "preempting"
+EVENT_RUN_END = "run_end"
+# Written by the supervisor.
+EVENT_ATTEMPT_START = "attempt_start"
+EVENT_ATTEMPT_END = "attempt_end"
+EVENT_RESTART = "restart"
+EVENT_HANG = "hang"
+EVENT_SUPERVISOR_EXIT = "supervisor_exit"

@@ -1,0 +1,252 @@
+"""The durable tier's background writer: one daemon thread per rank that writes sealed
+snapshots through :class:`orchestrator.store.DurableStore` (and the node-local copy), in
+order with invalidations, retrying transient storage errors. It never decides on its own:
+:mod:`orchestrator.durable` submits and reads its state into the step's all-reduce."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tenacity import RetryCallState, Retrying
+
+from orchestrator.faults import FaultInjector
+from orchestrator.journal import Journal
+from orchestrator.logs import RankLogger
+from orchestrator.policy import PersistPolicy
+from orchestrator.snapshot import Snapshot
+from orchestrator.store import DurableStore, storage_retry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LocalTier:
+    """The node-local copy (e.g. /dev/shm): the node's lowest rank writes the shared state,
+    every rank its own part, and the leader commits once its node's parts are there."""
+
+    store: DurableStore
+    leader: int
+    node_ranks: list[int]
+
+
+@dataclass
+class _Write:
+    snap: Snapshot
+    keys: list[str]
+    local_keys: list[str]
+    nonce: str
+    native: dict[str, str]
+    texts: dict[str, str]
+
+
+@dataclass
+class _Invalidate:
+    after_step: int
+
+
+class Persister:
+    """One daemon thread per rank that writes sealed snapshots, one at a time, in order with
+    invalidations of snapshots from an abandoned timeline.
+
+    The training thread never waits for it. It never decides on its own either: the Guard
+    reads ``busy`` into the step's all-reduce and submits, or skips, on every rank alike.
+    The snapshot handed over stays held in the ring until the Guard sees every rank idle.
+    """
+
+    def __init__(
+        self,
+        policy: PersistPolicy,
+        store: DurableStore,
+        rank: int,
+        world_size: int,
+        journal: Journal,
+        extra: dict[str, Any],
+        faults: FaultInjector,
+        local: LocalTier | None = None,
+    ) -> None:
+        self.policy = policy
+        self.local = local
+        self.store = store
+        self.rank = rank
+        self.log = RankLogger(logger, rank)
+        self.world_size = world_size
+        self.journal = journal
+        self.extra = extra
+        self.faults = faults
+        self.failed = False  # a write ran out of retries (read by the training thread)
+        self.done: set[int] = set()  # steps whose write (rank 0: commit) succeeded
+        self._q: queue.Queue[_Write | _Invalidate | None] = queue.Queue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="orchestrator-persist", daemon=True)
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return not self._idle.is_set()
+
+    def submit(
+        self,
+        snap: Snapshot,
+        keys: list[str],
+        local_keys: list[str],
+        nonce: str,
+        native: dict[str, str] | None = None,
+        texts: dict[str, str] | None = None,
+    ) -> None:
+        """Write this rank's part (``keys``; ``local_keys`` on the node-local tier) of
+        ``snap``. ``nonce`` names this attempt at it, so no part left over from another
+        attempt or timeline is ever committed with it. ``native``/``texts``: see
+        :meth:`DurableStore.write_part`."""
+        self._idle.clear()
+        self._q.put(_Write(snap, keys, local_keys, nonce, native or {}, texts or {}))
+
+    def invalidate_after(self, step: int) -> None:
+        """Delete durable snapshots newer than ``step``, after the writes in flight: rank 0
+        on the remote store, each node's leader on its local tier."""
+        if self.rank == 0 or (self.local is not None and self.rank == self.local.leader):
+            self._idle.clear()
+            self._q.put(_Invalidate(step))
+
+    def _invalidate(self, step: int) -> None:
+        stores = [self.store] if self.rank == 0 else []
+        if self.local is not None and self.rank == self.local.leader:
+            stores.append(self.local.store)
+        for store in stores:
+            gone = self._retrying("invalidate", step)(store.uncommit_after, step)
+            if gone:
+                self.journal.write(
+                    "persist_invalidate", step, {"uncommitted_steps": gone, "url": store.url}
+                )
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        return self._idle.wait(timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Finish what is queued (bounded by ``timeout_s``), then stop. True if it stopped."""
+        self._q.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            task = self._q.get()
+            if task is None:
+                return
+            step = task.snap.step if isinstance(task, _Write) else task.after_step
+            try:
+                if isinstance(task, _Write):
+                    self._persist(task)
+                else:
+                    self._invalidate(step)
+            except Exception as err:  # keep the thread alive; the failure is journaled
+                self.failed = self.failed or isinstance(task, _Write)
+                self.log.error("durable snapshot %d: %r", step, err)
+                self.journal.write(
+                    "persist_failed", step, {"error": repr(err), "url": self.store.url}
+                )
+            finally:
+                if self._q.empty():
+                    self._idle.set()
+
+    def _retrying(self, what: str, step: int) -> Retrying:
+        def before_sleep(state: RetryCallState) -> None:
+            err = state.outcome.exception() if state.outcome else None
+            self.journal.write(
+                "persist_retry",
+                step,
+                {"op": what, "attempt": state.attempt_number, "error": repr(err)},
+            )
+
+        return storage_retry(self.policy, before_sleep)
+
+    def _persist_local(self, task: _Write) -> None:
+        """Best effort: a failure here is journaled and the remote write goes on."""
+        assert self.local is not None
+        snap, local, t0 = task.snap, self.local, time.perf_counter()
+        try:
+            local.store.write_part(
+                snap,
+                self.rank,
+                self.world_size,
+                task.local_keys,
+                task.nonce,
+                task.native,
+                task.texts if self.rank == local.leader else None,
+            )
+            if self.rank == local.leader:
+                local.store.commit(
+                    snap.step,
+                    self.world_size,
+                    task.nonce,
+                    self.extra,
+                    self.policy.commit_timeout_s,
+                    ranks=local.node_ranks,
+                )
+                local.store.prune(1, None)
+                self.journal.write(
+                    "persist_local",
+                    snap.step,
+                    {"url": local.store.url, "seconds": round(time.perf_counter() - t0, 4)},
+                )
+        except Exception as err:
+            self.journal.write(
+                "persist_local_failed", snap.step, {"error": repr(err), "url": local.store.url}
+            )
+
+    def _persist(self, task: _Write) -> None:
+        snap = task.snap
+        t0 = time.perf_counter()
+        snap.wait()
+        if self.local is not None:
+            self._persist_local(task)
+
+        def write() -> int:
+            self.faults.storage("write", snap.step)
+            return self.store.write_part(
+                snap,
+                self.rank,
+                self.world_size,
+                task.keys,
+                task.nonce,
+                task.native,
+                task.texts if self.rank == 0 else None,
+            )
+
+        nbytes = self._retrying("write", snap.step)(write)
+        written = time.perf_counter() - t0
+        if self.rank != 0:
+            self.done.add(snap.step)
+            return
+        manifest = self._retrying("commit", snap.step)(
+            self.store.commit,
+            snap.step,
+            self.world_size,
+            task.nonce,
+            self.extra,
+            self.policy.commit_timeout_s,
+        )
+        self.done.add(snap.step)
+        if self.faults.truncate_due(snap.step):
+            self.faults.truncate(self.store, snap.step)
+        self.journal.write(
+            "persist",
+            snap.step,
+            {
+                "url": self.store.url,
+                "bytes": manifest["bytes"],
+                "rank0_bytes": nbytes,
+                "write_s": round(written, 4),
+                "commit_s": round(time.perf_counter() - t0, 4),
+            },
+        )
+        pruned = self._retrying("prune", snap.step)(
+            self.store.prune, self.policy.keep, self.policy.keep_every_steps
+        )
+        if pruned:
+            self.journal.write("persist_prune", snap.step, {"deleted_steps": pruned})
