@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -156,7 +157,8 @@ class FSDP2Engine(TorchEngine):
             state: dict[str, Any] = {}
             for key, value in entries.items():
                 if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
-                    value = _as_dtensor(value, live.get(key), p, f"optimizer state {key!r}")
+                    name = self._layout["optim_params"][int(index)] or f"#{index}"
+                    value = _as_dtensor(value, live.get(key), p, f"{key!r} of {name}")
                 state[key] = value
             self.optimizer.state[p] = state
 
@@ -182,7 +184,8 @@ def _as_dtensor(local: torch.Tensor, live: Any, param: DTensor, what: str) -> DT
     spec = live if isinstance(live, DTensor) else param
     if local.shape != spec.to_local().shape:
         raise UsageError(
-            f"{what} of a parameter of global shape {tuple(param.shape)}: the saved shard has "
+            f"rank {dist.get_rank()}: optimizer state {what} (global shape "
+            f"{tuple(param.shape)}): the saved shard has "
             f"shape {tuple(local.shape)}, this rank's shard is {tuple(spec.to_local().shape)}. "
             "The Guard restores optimizer state that shards like its parameter (Adam, SGD & "
             "co.); an optimizer with differently shaped state needs its own adapter"
