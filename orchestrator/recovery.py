@@ -216,8 +216,10 @@ class IncidentPipeline:
         prev = self.incidents[-2] if len(self.incidents) > 1 else None
         if not inc.reproduced:
             why = "not_reproduced"
-        elif not self._splits or not quarantine:
+        elif not self._splits:
             why = "not_isolated"
+        elif not quarantine:  # diagnose.actions (or quarantine.enabled) said not to
+            why = "not_quarantined"
         elif not 0 < len(found) <= self.policy.quarantine.max_step_fraction * step_samples:
             why = "most_samples"
         elif prev is not None and inc.step <= prev.step:
@@ -249,9 +251,9 @@ class IncidentPipeline:
 
     def _charge(self, cause: str, why: str, budget: str | None = "auto") -> None:
         """Record the incident's cause (and ``why``: isolated, not_reproduced, most_samples,
-        recurred, not_isolated, unhealthy), journal it with its evidence, and charge it: to
-        the data budget (checked once its samples are quarantined) or to the incident budget
-        (checked now: may give up)."""
+        recurred, not_isolated, not_quarantined, unhealthy), journal it with its evidence,
+        and charge it: to the data budget (checked once its samples are quarantined) or to
+        the incident budget (checked now: may give up)."""
         inc = self._open
         assert inc is not None
         inc.cause = cause
