@@ -55,7 +55,7 @@ def _guard_steps(guard: Guard, model, loader, n: int) -> float:  # type: ignore[
     for batch in guard.batches(loader, max_steps=start + n):
         loss = loss_of(model, batch)
         guard.backward(loss)
-        guard.step(loss)
+        guard.step()
     return (time.perf_counter() - t0) / n
 
 

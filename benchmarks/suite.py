@@ -2,7 +2,7 @@
 run on one machine and reported as ratios (absolute times on a shared machine mean little).
 
     python -m benchmarks run --quick                  # a few minutes on 2 cores
-    python -m benchmarks run --out results.json --md results.md --readme
+    python -m benchmarks run --out results.json --md results.md --docs
 
 Every case runs in a fresh process (torchrun, 1 or 2 ranks). Cases that would not fit in
 host memory are skipped with the reason. Targets are checked in the tables, never asserted:
@@ -22,7 +22,7 @@ from typing import Any
 from _common import spawn
 
 HERE = Path(__file__).resolve().parent
-README = HERE.parent / "README.md"
+DOCS = HERE.parent / "docs" / "benchmarks.md"
 START, END = "<!-- bench-suite:start -->", "<!-- bench-suite:end -->"
 
 #: host bytes per parameter per rank a case needs, roughly (state, grads, ring, staging)
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--quick", action="store_true", help="10M parameters, fewer repetitions")
     run.add_argument("--out", default="bench-results.json", help="JSON with every number")
     run.add_argument("--md", default="bench-results.md", help="the markdown tables")
-    run.add_argument("--readme", action="store_true", help="put the tables in README.md")
+    run.add_argument("--docs", action="store_true", help="put the tables in docs/benchmarks.md")
     args = ap.parse_args(argv)
     runs = plan(args.quick)
     print(f"{len(runs)} cases", flush=True)
@@ -251,12 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     md = f"Measured {doc['time']} ({'quick' if args.quick else 'full'} run).\n\n" + tables(results)
     Path(args.md).write_text(md)
     print(md)
-    if args.readme:
-        text = README.read_text()
+    if args.docs:
+        text = DOCS.read_text()
         if START not in text or END not in text:
-            print(f"README.md has no {START} ... {END} block", file=sys.stderr)
+            print(f"docs/benchmarks.md has no {START} ... {END} block", file=sys.stderr)
             return 2
         head, rest = text.split(START, 1)
         _, tail = rest.split(END, 1)
-        README.write_text(f"{head}{START}\n{md}{END}{tail}")
+        DOCS.write_text(f"{head}{START}\n{md}{END}{tail}")
     return 1 if any("failed" in r for r in results) else 0

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, vocab), batch[:, 1:].reshape(-1))
         guard.backward(loss)
-        outcome = guard.step(loss)
+        outcome = guard.step()
         if rank == 0 and outcome == "commit" and guard.global_step % 25 == 0:
             print(f"step {guard.global_step:4d}  loss {loss.item():.4f}", flush=True)
     guard.close()

@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 module.clip_grad_norm_(args.clip_by_hand)  # FSDP1's own: shards are flat
             else:
                 torch.nn.utils.clip_grad_norm_(module.parameters(), args.clip_by_hand)
-        outcome = guard.step(loss)
+        outcome = guard.step()
         if rank == 0 and outcome == "commit" and guard.global_step % 10 == 0:
             print(f"step {guard.global_step:4d}  loss {loss.item():.4f}", flush=True)
     guard.close()

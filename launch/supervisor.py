@@ -19,17 +19,28 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import yaml
 from tenacity import wait_exponential_jitter
 
+from launch.outcomes import (
+    CRASH,
+    GAVE_UP,
+    HANG,
+    OK,
+    PREEMPTED,
+    UNHEALTHY,
+    Attempt,
+    classify,
+    history,
+    next_attempt_number,
+)
+from launch.procs import descendants, describe, tee
 from orchestrator.heartbeat import progress_time, read_heartbeats, suspects
-from orchestrator.journal import Journal, read_journal
+from orchestrator.journal import Journal
 from orchestrator.policy import Policy
 from orchestrator.protocol import (
     ATTEMPTS_DIR,
@@ -38,13 +49,9 @@ from orchestrator.protocol import (
     ENV_RUN_DIR,
     EVENT_ATTEMPT_END,
     EVENT_ATTEMPT_START,
-    EVENT_GAVE_UP,
     EVENT_HANG,
-    EVENT_PREEMPTED,
-    EVENT_PREEMPTING,
     EVENT_RESTART,
     EVENT_SUPERVISOR_EXIT,
-    EVENT_UNHEALTHY,
     EXIT_CRASH_LOOP,
     EXIT_GAVE_UP,
     EXIT_OK,
@@ -56,39 +63,7 @@ from orchestrator.protocol import (
 
 logger = logging.getLogger(__name__)
 
-OK, GAVE_UP, UNHEALTHY, PREEMPTED, CRASH, HANG = (
-    "ok",
-    "gave_up",
-    "unhealthy",
-    "preempted",
-    "crash",
-    "hang",
-)
-_BY_CODE = {
-    EXIT_OK: OK,
-    EXIT_GAVE_UP: GAVE_UP,
-    EXIT_UNHEALTHY: UNHEALTHY,
-    EXIT_PREEMPTED: PREEMPTED,
-}
-# "preempting" is written before the snapshot: a worker killed while writing it was still
-# preempted (it resumes from the previous snapshot).
-_BY_EVENT = {
-    EVENT_GAVE_UP: GAVE_UP,
-    EVENT_UNHEALTHY: UNHEALTHY,
-    EVENT_PREEMPTED: PREEMPTED,
-    EVENT_PREEMPTING: PREEMPTED,
-}
 SUPERVISOR_RANK = -1  # the journal's rank field for the supervisor's own events
-
-
-@dataclass
-class Attempt:
-    number: int
-    returncode: int
-    outcome: str
-    best_step: int | None  # highest step any local rank reported in this attempt
-    runtime_s: float
-    stalled: dict[int, int] | None = None  # rank -> last step, when it hung
 
 
 class Supervisor:
@@ -120,10 +95,10 @@ class Supervisor:
                 signal.signal(s, h)
 
     def _loop(self) -> int:
-        attempt = self._next_attempt_number()
+        attempt = next_attempt_number(self.run_dir, self.host)
         self.journal = journal = Journal(self.run_dir, SUPERVISOR_RANK, attempt)
         restarts = unhealthy = 0
-        best, stalled_attempts = self._history()
+        best, stalled_attempts = history(self.run_dir, self.host)
         try:
             while True:
                 journal.attempt = attempt
@@ -204,7 +179,7 @@ class Supervisor:
                     },
                 )
                 self._say(
-                    f"attempt {attempt} ended: {a.outcome} ({_describe(a.returncode)}); "
+                    f"attempt {attempt} ended: {a.outcome} ({describe(a.returncode)}); "
                     f"restart {restarts} in {delay:.1f} s"
                 )
                 if self._wake.wait(delay) and self._signals:
@@ -253,25 +228,25 @@ class Supervisor:
             if self._signals:  # a signal came while we were starting it
                 self._kill(signal.SIGTERM)
                 self._term_sent_at = time.time()
-            tee = threading.Thread(target=_tee, args=(proc.stdout, log), daemon=True)
-            tee.start()
+            copier = threading.Thread(target=tee, args=(proc.stdout, log), daemon=True)
+            copier.start()
             stalled = self._watch(proc, attempt, started)
             rc = proc.wait()
             self._sweep()
-            tee.join(timeout=5)
+            copier.join(timeout=5)
         self._proc = None
         self._term_sent_at = None
         runtime = time.time() - started
         if stalled is not None:
             return Attempt(attempt, rc, HANG, self._max_step, runtime, stalled)
-        return Attempt(attempt, rc, self._classify(rc, attempt), self._max_step, runtime)
+        return Attempt(attempt, rc, classify(self.run_dir, rc, attempt), self._max_step, runtime)
 
     def _watch(
         self, proc: subprocess.Popen[bytes], attempt: int, started: float
     ) -> dict[int, int] | None:
         """Poll until the child exits; on a hang, stop it and return the stalled ranks."""
         while proc.poll() is None:
-            self._pids |= _descendants(proc.pid)  # torchrun puts workers in new sessions
+            self._pids |= descendants(proc.pid)  # torchrun puts workers in new sessions
             if (
                 self._term_sent_at is not None
                 and time.time() - self._term_sent_at > self.sup.grace_s
@@ -347,14 +322,6 @@ class Supervisor:
         }
         return late or None
 
-    def _classify(self, rc: int, attempt: int) -> str:
-        if rc in _BY_CODE:
-            return _BY_CODE[rc]
-        for e in read_journal(self.run_dir):  # torchrun masks its workers' codes
-            if e.get("attempt") == attempt and e.get("kind") in _BY_EVENT:
-                return _BY_EVENT[e["kind"]]
-        return CRASH
-
     # --- signals and helpers ----------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signals += 1
@@ -378,7 +345,7 @@ class Supervisor:
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return
-        self._pids |= _descendants(proc.pid)
+        self._pids |= descendants(proc.pid)
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -389,88 +356,9 @@ class Supervisor:
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def _next_attempt_number(self) -> int:
-        """Attempts continue across supervisor restarts (the same command run again),
-        numbered from this host's supervisor events only."""
-        attempts = [
-            int(e.get("attempt", -1))
-            for e in read_journal(self.run_dir)
-            if e.get("kind") == EVENT_ATTEMPT_START and e["details"].get("host") == self.host
-        ]
-        return max(attempts, default=-1) + 1
-
-    def _history(self) -> tuple[int, int]:
-        """(best step so far, attempts in a row without progress) from this host's earlier
-        supervisors, so the crash-loop rule also holds across requeues."""
-        best, stalled = -1, 0
-        for e in read_journal(self.run_dir):
-            if (
-                e.get("kind") != EVENT_ATTEMPT_END
-                or e["details"].get("host", self.host) != self.host
-            ):
-                continue
-            step = e["details"].get("best_step")
-            if e["details"].get("outcome") == OK or (step is not None and step > best):
-                stalled = 0
-            else:
-                stalled += 1
-            best = max(best, step if step is not None else best)
-        return best, stalled
-
     def _log_path(self, attempt: int) -> str:
         return os.path.join(self.run_dir, ATTEMPTS_DIR, str(attempt), "output.log")
 
     @staticmethod
     def _say(msg: str) -> None:
         logger.warning("%s", msg)  # what a person watching the job must see
-
-
-def _describe(returncode: int) -> str:
-    if returncode < 0:
-        name = signal.Signals(-returncode).name
-        hint = " (the OOM killer?)" if name == "SIGKILL" else ""
-        return f"killed by {name}{hint}"
-    return f"exit {returncode}"
-
-
-def _descendants(root: int) -> set[int]:
-    """Every live process under ``root`` (Linux /proc; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    try:
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat", encoding="ascii", errors="replace") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(name))
-    except OSError:
-        return set()
-    out: set[int] = set()
-    todo = [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
-
-
-def _tee(src: IO[bytes] | None, log: IO[bytes]) -> None:
-    """Copy the child's output to our stdout and its attempt log, chunk by chunk."""
-    if src is None:
-        return
-    out = sys.stdout.buffer
-    for chunk in iter(lambda: src.read1(65536), b""):  # type: ignore[attr-defined]
-        try:
-            log.write(chunk)
-            log.flush()
-        except (OSError, ValueError):
-            pass  # a full disk must not stop the draining, or the workers block on print
-        try:
-            out.write(chunk)
-            out.flush()
-        except (BrokenPipeError, ValueError):
-            pass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.policy import AdjustPolicy
+from orchestrator.policy_sections import AdjustPolicy
 
 
 class LRAdjuster:

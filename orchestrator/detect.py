@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from orchestrator.policy import SpikePolicy
+from orchestrator.policy_sections import SpikePolicy
 
 # Slots of the packed tensor.
 (

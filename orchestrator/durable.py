@@ -25,8 +25,9 @@ from orchestrator.errors import PersistError
 from orchestrator.faults import FaultInjector
 from orchestrator.journal import Journal
 from orchestrator.policy import Policy
+from orchestrator.retry import storage_retry
 from orchestrator.snapshot import Snapshot
-from orchestrator.store import DurableStore, default_url, storage_retry
+from orchestrator.store import DurableStore, default_url
 from orchestrator.writer import LocalTier, Persister
 
 #: A state tree to restore, the manifest it came with, and the store URL it came from.
@@ -61,7 +62,7 @@ class DurableTier:
                 comm.rank,
                 comm.world_size,
                 journal,
-                extra={"policy_digest": policy.digest(), "engine": type(engine).__name__},
+                extra={"policy_digest": policy.digest(), "engine": engine.name},
                 faults=faults,
                 local=self.local,
             )
@@ -172,9 +173,7 @@ class DurableTier:
 
     def _part_keys(self, snap: Snapshot, writer: int) -> list[str]:
         """What this rank writes when rank ``writer`` holds the shared (replicated) state."""
-        if self.comm.rank == writer or not self.engine.state_replicated:
-            return list(snap.skeleton)
-        return sorted(self.engine.rank_local_keys)
+        return self.engine.part_keys(list(snap.skeleton), holds_shared=self.comm.rank == writer)
 
     def _local_tier(self, run_dir: str) -> LocalTier:
         """Group the ranks by host: each node keeps its own copy under persist.local_dir."""
@@ -268,7 +267,7 @@ class DurableTier:
                 if not self.engine.can_reshard:
                     raise PersistError(
                         f"snapshot {step} holds shards of {manifest['world_size']} ranks and "
-                        f"{type(self.engine).__name__} cannot reshard: resume at that world size"
+                        f"{self.engine.name} cannot reshard: resume at that world size"
                     )
 
                 def reshard() -> dict[str, Any]:

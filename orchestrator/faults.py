@@ -11,20 +11,24 @@ The injector is shared by the training thread and the persist thread, hence the 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
+import torch
+
+from orchestrator.diagnose import install_nan_module
 from orchestrator.journal import Journal, read_journal
 from orchestrator.store import step_dir
 
 if TYPE_CHECKING:
     from orchestrator.store import DurableStore
 
-from orchestrator.policy import (
+from orchestrator.fault_kinds import (
     CorruptAllreduceFault,
     CrashFault,
     ExitFault,
@@ -96,7 +100,8 @@ class FaultInjector:
             for i, f in enumerate(faults)
             if isinstance(f, StorageErrorFault) and f.rank in (None, rank)
         }
-        self._storage_faults = faults
+        self._storage_faults = self._all = faults
+        self._hooks: list[Any] = []
         self._slow = [
             f for f in faults if isinstance(f, SlowStorageFault) and f.rank in (None, rank)
         ]
@@ -122,16 +127,33 @@ class FaultInjector:
                     return True
         return False
 
-    def loss_fault(self, step: int, sample_ids: Iterable[int], one_shot: bool) -> str | None:
-        """``"poison"`` (make the loss NaN), ``"inf"`` (add inf to the loss) or None.
-
-        ``one_shot=False`` during re-runs of a step: only the poison applies there.
-        """
+    def on_loss(
+        self, loss: torch.Tensor, step: int, sample_ids: Iterable[int], one_shot: bool
+    ) -> torch.Tensor:
+        """The loss as the faults make it: NaN for a poisoned sample, plus inf for an
+        ``inf_loss`` fault (``one_shot=False`` during re-runs: only the poison applies)."""
         if self.poisoned and not self.poisoned.isdisjoint(sample_ids):
-            return "poison"
+            return loss * float("nan")
         if one_shot and self._take(InfLossFault, step):
-            return "inf"
-        return None
+            return loss + float("inf")
+        return loss
+
+    def install_module_faults(
+        self, core: torch.nn.Module, step: Callable[[], int], rerun_of: Callable[[], int | None]
+    ) -> None:
+        """Hooks for this rank's ``nan_module`` faults; ``step`` and ``rerun_of`` (the step
+        under investigation, if any) are read when the module runs."""
+        mine = [
+            f for f in self._all if isinstance(f, NanModuleFault) and f.rank in (None, self.rank)
+        ]
+        for f in mine:
+            armed = functools.partial(self._nan_armed, f, step, rerun_of)
+            self._hooks.append(install_nan_module(core, f.module, armed))
+
+    def _nan_armed(
+        self, f: NanModuleFault, step: Callable[[], int], rerun_of: Callable[[], int | None]
+    ) -> bool:
+        return self.nan_module_armed(f, step(), rerun_of())
 
     def nan_module_armed(self, f: NanModuleFault, step: int, rerun_of: int | None) -> bool:
         """Whether fault ``f`` turns its module's output NaN now: once, on the real pass of

@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from orchestrator.comm import Comm
 from orchestrator.faults import FaultInjector
-from orchestrator.policy import HealthPolicy
+from orchestrator.policy import Policy
+from orchestrator.policy_sections import HealthPolicy
 
 BASELINE = "health_baseline.json"
 _PATTERN = 4099  # elements per rank in the correctness checks (odd: no alignment luck)
@@ -102,6 +103,18 @@ def _ok(check: dict[str, Any] | None) -> str:
 class HealthChecker:
     """Build on every rank of ``comm``'s group at start (creating the health group is
     collective), then call :meth:`run` on every rank together."""
+
+    @classmethod
+    def for_policy(
+        cls, policy: Policy, comm: Comm, faults: FaultInjector, run_dir: str
+    ) -> HealthChecker | None:
+        """A checker if the policy runs health checks anywhere (preflight, on incidents, or
+        as a diagnosis action), else None."""
+        h, d = policy.health, policy.diagnose
+        actions = d.actions.values()
+        if h.preflight or h.on_incident or (d.rerun and any("health" in a for a in actions)):
+            return cls(h, comm, faults, run_dir)
+        return None
 
     def __init__(
         self, policy: HealthPolicy, comm: Comm, faults: FaultInjector, run_dir: str | None

@@ -79,3 +79,15 @@ def quarantine_share(events: Iterable[dict[str, Any]]) -> tuple[int, int] | None
         elif e["kind"] == "run_end":
             share = (len(d.get("quarantined", [])), int(d["samples_seen"]))
     return share
+
+
+class Decisions:
+    """Journals a collective decision once: by rank 0 of the Guard's group (``writer``),
+    with the evidence of every rank in its details."""
+
+    def __init__(self, journal: Journal, writer: bool) -> None:
+        self.journal, self.writer = journal, writer
+
+    def __call__(self, kind: str, step: int, **details: Any) -> None:
+        if self.writer:
+            self.journal.write(kind, step, details)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from orchestrator.policy import MetricsPolicy
+from orchestrator.policy_sections import MetricsPolicy
 from orchestrator.protocol import METRICS_NAME
 
 
@@ -65,6 +66,44 @@ class Metrics:
         """True once, when the ratio has stayed below the threshold ``patience`` times."""
         self._low = self._low + 1 if ratio < self.policy.update_ratio_warn else 0
         return self._low == self.policy.update_ratio_patience
+
+    def after_step(
+        self,
+        step: int,
+        outcome: str,
+        loss: float,
+        grad_norm: float,
+        lr: Callable[[], float | None],
+        loss_scale: Callable[[], float | None],
+    ) -> dict[str, Any] | None:
+        """After a step is applied (or skipped by the loss scaler): one row when due (values
+        already on the host), and the update-to-weight ratio when due. Returns the details
+        of an ``update_ratio_low`` event to journal, if the ratio just became low."""
+        if not (self.due(step) or self.ratio_due(step)):
+            return None
+        ratio = self.update_ratio()
+        low = None
+        if ratio is not None and self.low_streak(ratio):
+            low = {
+                "ratio": ratio,
+                "threshold": self.policy.update_ratio_warn,
+                "measurements": self.policy.update_ratio_patience,
+                "hint": "updates are tiny next to the weights (a bf16 stall?): check the LR "
+                "and that the optimizer keeps fp32 master weights",
+            }
+        if self.due(step):
+            self.record(
+                step,
+                loss=loss,
+                grad_norm=grad_norm,
+                lr=lr(),
+                # A GradScaler's scale lives on the device: read it now and then, and at
+                # overflows (where it changes), not at every step.
+                loss_scale=loss_scale() if outcome == "overflow_skip" or step % 50 == 0 else None,
+                update_ratio=ratio,
+                outcome=outcome,
+            )
+        return low
 
     def record(self, step: int, **values: Any) -> None:
         now = time.monotonic()

@@ -1,4 +1,5 @@
-"""The policy: one YAML file, validated by pydantic v2 models (one per section).
+"""The policy: one YAML file, validated by pydantic v2 models (one per section; the fault
+models of the ``faults`` list are in :mod:`orchestrator.fault_kinds`).
 
 Every model forbids unknown keys, so a typo is an error naming its YAML path rather than a
 silently ignored setting. ``configs/default.yaml`` documents every field and must stay in
@@ -10,469 +11,79 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Annotated, Any, Literal, get_args
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from orchestrator.errors import PolicyError
+from orchestrator.fault_kinds import (
+    FAULT_KINDS,
+    CorruptAllreduceFault,
+    CrashFault,
+    ExitFault,
+    Fault,
+    FlakyComputeFault,
+    HangFault,
+    InfLossFault,
+    NanGradFault,
+    NanModuleFault,
+    PoisonSampleFault,
+    SlowRankFault,
+    SlowStorageFault,
+    StorageErrorFault,
+    TruncateSnapshotFault,
+)
+from orchestrator.policy_sections import (
+    AdjustPolicy,
+    ClipPolicy,
+    DetectPolicy,
+    DiagnosePolicy,
+    EscalationPolicy,
+    HealthPolicy,
+    MetricsPolicy,
+    PersistPolicy,
+    QuarantinePolicy,
+    SnapshotPolicy,
+    SpikePolicy,
+    SupervisorPolicy,
+    _Section,
+)
 from orchestrator.protocol import ENV_POLICY
 
-__all__ = ["ENV_POLICY", "Policy", "load_policy", "parse_policy"]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class SnapshotPolicy(_Section):
-    every_steps: int = Field(10, ge=1, description="Take an in-memory snapshot every N steps.")
-    keep: int = Field(
-        2,
-        ge=2,
-        description="Ring slots per rank (>= 2: the newest may not be sealed yet); "
-        "host buffers are allocated once and reused.",
-    )
-    seal_after_steps: int = Field(
-        1, ge=1, description="Clean steps after a snapshot's own step before it may be used."
-    )
-    min_age_steps: int = Field(
-        0,
-        ge=0,
-        description="Roll back only to a snapshot at least this many steps older "
-        "than the bad step (use > 0 when damage may precede detection).",
-    )
-    max_host_memory_gb: float | None = Field(
-        None,
-        gt=0,
-        description="Budget for the ring on this host (all local ranks together); "
-        "null means only the free host memory limits it.",
-    )
-
-    @model_validator(mode="after")
-    def _age_reachable(self) -> SnapshotPolicy:
-        history = self.every_steps * (self.keep - 1)
-        if self.seal_after_steps > history:
-            raise ValueError(
-                f"seal_after_steps={self.seal_after_steps} exceeds (keep-1)*every_steps="
-                f"{history}: every snapshot would be overwritten before it is sealed; raise "
-                "keep or every_steps, or lower seal_after_steps"
-            )
-        if self.min_age_steps > history:
-            raise ValueError(
-                f"min_age_steps={self.min_age_steps} can never be met: the sealed snapshots "
-                f"span at most (keep-1)*every_steps={history} steps; raise keep or "
-                "every_steps, or lower min_age_steps"
-            )
-        return self
-
-
-class SpikePolicy(_Section):
-    enabled: bool = Field(False, description="Treat loss / grad-norm spikes as incidents.")
-    metrics: list[Literal["loss", "grad_norm"]] = Field(
-        default_factory=lambda: ["loss"],  # type: ignore[arg-type]
-        description="Which global values are watched.",
-    )
-    window: int = Field(100, ge=8, description="Rolling history length (steps).")
-    min_history: int = Field(20, ge=4, description="No spike decision before this many steps.")
-    zscore: float = Field(
-        6.0, gt=0, description="Robust z-score threshold: (x - median) / (1.4826 * MAD)."
-    )
-
-    @model_validator(mode="after")
-    def _history_fits(self) -> SpikePolicy:
-        if self.min_history > self.window:
-            raise ValueError(
-                f"min_history={self.min_history} exceeds window={self.window}: the decision "
-                "would never be made; lower min_history or raise window"
-            )
-        return self
-
-
-class DetectPolicy(_Section):
-    check_grads: bool = Field(
-        True, description="Include the gradients in the finite check (the loss is always checked)."
-    )
-    spike: SpikePolicy = Field(default_factory=SpikePolicy)  # type: ignore[arg-type]
-
-
-class ClipPolicy(_Section):
-    max_norm: float | None = Field(
-        None,
-        gt=0,
-        description="Clip gradients to this global L2 norm when a step commits, by the norm "
-        "the finite check already computed (no second norm, no extra collective or host "
-        "sync); the journal and metrics keep the norm before clipping. null: no clipping. "
-        "DeepSpeed clips by its own gradient_clipping instead.",
-    )
-
-
-class QuarantinePolicy(_Section):
-    enabled: bool = Field(True, description="Quarantine the samples of a bad step.")
-    scope: Literal["step", "window"] = Field(
-        "step",
-        description="'step': the bad step's samples; 'window': also the samples of the "
-        "window_steps steps before it (PaLM-style skip).",
-    )
-    window_steps: int = Field(0, ge=0, description="Steps before the bad one, for scope=window.")
-    isolate: bool = Field(
-        True,
-        description="With scope=step, re-run sub-batches of the bad step (bisection) to "
-        "quarantine only the samples that reproduce the non-finite value. A step that does not "
-        "reproduce is treated as transient and quarantines nothing.",
-    )
-    ledger_url: str | None = Field(
-        None, description="fsspec URL of the JSONL ledger; null means RUN_DIR/quarantine.jsonl."
-    )
-    max_fraction: float = Field(
-        0.01,
-        gt=0,
-        le=1,
-        description="Data budget: give up when the quarantined samples exceed this fraction of "
-        "the distinct samples seen so far (more bad data than that says the data set, or the "
-        "model on it, is the problem). Incidents explained by data are charged here, not to "
-        "escalation.max_incidents.",
-    )
-    max_step_fraction: float = Field(
-        0.5,
-        gt=0,
-        le=1,
-        description="An incident whose isolated culprits are more than this fraction of the "
-        "bad step's samples is not explained by data (a model or LR that diverges fails on "
-        "every sample): nothing is quarantined and it counts as unexplained.",
-    )
-    budget_min_samples: int = Field(
-        16,
-        ge=0,
-        description="Quarantining up to this many samples is always within the data budget "
-        "(early in a run the fraction of the few samples seen says little).",
-    )
-
-    @model_validator(mode="after")
-    def _window_has_size(self) -> QuarantinePolicy:
-        if self.scope == "window" and self.window_steps < 1:
-            raise ValueError("scope=window needs window_steps >= 1 (how many earlier steps)")
-        return self
-
-
-class AdjustPolicy(_Section):
-    lr_factor: float = Field(
-        0.5, gt=0, le=1, description="Multiply the LR by this on each incident (1.0: off)."
-    )
-    min_lr_factor: float = Field(
-        0.01, gt=0, le=1, description="Floor of the cumulative LR multiplier."
-    )
-    hold_steps: int = Field(20, ge=0, description="Steps at the cut LR before re-warming.")
-    rewarm_steps: int = Field(100, ge=0, description="Steps of linear ramp back to 1.0.")
-    loss_scale_factor: float = Field(
-        0.5, gt=0, le=1, description="Multiply a GradScaler's scale by this on each incident."
-    )
-    cut_lr_on_data: bool = Field(
-        False,
-        description="Cut the LR on incidents explained by data too (bad samples isolated and "
-        "quarantined). Off: the cause was the sample, not the optimization.",
-    )
-    loss_scale_on_data: bool = Field(
-        False,
-        description="Apply loss_scale_factor on incidents explained by data too.",
-    )
-
-
-class EscalationPolicy(_Section):
-    max_incidents: int = Field(
-        3,
-        ge=0,
-        description="Give up when more unexplained incidents than this occur within "
-        "window_steps (not reproducible, reproducible on every sample, a spike, or no "
-        "isolation); incidents explained by bad samples count against the data budget "
-        "(quarantine.max_fraction) instead.",
-    )
-    window_steps: int = Field(500, ge=1, description="Sliding window for the incident budget.")
-
-
-class MetricsPolicy(_Section):
-    enabled: bool = Field(True, description="Write RUN_DIR/metrics.jsonl (rank 0).")
-    every_steps: int = Field(1, ge=1, description="Record every this many steps.")
-    flush_every: int = Field(50, ge=1, description="Buffered lines written at a time...")
-    flush_s: float = Field(
-        5.0, gt=0, description="...or sooner, once this many seconds passed (a crash loses less)."
-    )
-    update_ratio_every: int = Field(
-        100,
-        ge=0,
-        description="Measure the update-to-weight ratio every this many steps (0: never; "
-        "costs one copy of rank 0's weights then).",
-    )
-    update_ratio_warn: float = Field(
-        1e-3, gt=0, description="Journal update_ratio_low when the ratio stays below this"
-    )
-    update_ratio_patience: int = Field(
-        3, ge=1, description="...for this many measurements in a row (a silent bf16 stall)."
-    )
-
-
-class HealthPolicy(_Section):
-    preflight: bool = Field(
-        False,
-        description="Run the health checks when the Guard starts (and keep the first "
-        "measured bandwidth as the baseline in RUN_DIR/health_baseline.json).",
-    )
-    on_incident: bool = Field(
-        True, description="Run them on every incident, before deciding what to do."
-    )
-    timeout_s: float = Field(
-        60.0,
-        gt=0,
-        description="Hard limit for every collective of a check: a rank that does not "
-        "answer in time fails the check instead of hanging it.",
-    )
-    bandwidth_mb: float = Field(
-        16.0, gt=0, description="Size of the buffer all-reduced to measure bandwidth (MiB)."
-    )
-    bandwidth_reps: int = Field(3, ge=1, description="Timed all-reduces (median taken).")
-    min_bandwidth_ratio: float = Field(
-        0.5,
-        gt=0,
-        le=1,
-        description="A measured bandwidth below this share of the baseline fails; the "
-        "ranks that arrived last at the collectives are named.",
-    )
-    compute_size: int = Field(
-        256, ge=16, description="Side of the seeded matrices of the compute self-test."
-    )
-    memory_mb: float = Field(
-        16.0, ge=0, description="Memory pattern written and read back per rank (MiB)."
-    )
-
-
-Classification = Literal["transient", "deterministic", "precision", "data_or_model"]
-Action = Literal["quarantine", "cut_lr", "health"]
-
-
-def _default_actions() -> dict[Classification, list[Action]]:
-    return {
-        "transient": ["health"],  # suspect hardware: check it; no sample reproduces it
-        "deterministic": ["quarantine", "cut_lr"],
-        "precision": ["quarantine", "cut_lr"],
-        "data_or_model": ["quarantine", "cut_lr"],
-    }
-
-
-class DiagnosePolicy(_Section):
-    rerun: bool = Field(
-        False,
-        description="On an incident, re-run the failed step: not reproducible -> "
-        "'transient'; reproducible -> 'deterministic' (with the first module whose "
-        "output or gradient is non-finite), refined for fp16/bf16 models by an fp32 "
-        "re-run into 'precision' (finite in fp32) or 'data_or_model'.",
-    )
-    actions: dict[Classification, list[Action]] = Field(
-        default_factory=_default_actions,
-        description="What each classification does, besides the rollback: quarantine "
-        "(the samples that reproduce it), cut_lr (adjust section), health (run the health "
-        "checks if health.on_incident has not already). A classification left out keeps "
-        "its default.",
-    )
-
-    @field_validator("actions")
-    @classmethod
-    def _complete(cls, v: dict[Classification, list[Action]]) -> dict[Classification, list[Action]]:
-        return {**_default_actions(), **v}
-
-
-class PersistPolicy(_Section):
-    enabled: bool = Field(True, description="Write sealed snapshots to durable storage.")
-    url: str | None = Field(
-        None,
-        description="fsspec URL (file://, s3://, gs://, memory://, or a path); null "
-        "means RUN_DIR/snapshots.",
-    )
-    every_steps: int | None = Field(
-        100,
-        ge=1,
-        description="Persist the sealed snapshot of every N-th step (a multiple of "
-        "snapshot.every_steps); null: time-based only.",
-    )
-    every_s: float | None = Field(
-        None,
-        gt=0,
-        description="Also persist the next sealed snapshot once this many seconds "
-        "passed since the last (rank 0's clock decides, for all ranks).",
-    )
-    keep: int = Field(2, ge=1, description="Committed snapshots kept (the newest always is).")
-    keep_every_steps: int | None = Field(
-        None, ge=1, description="Also keep forever those whose step is a multiple of this."
-    )
-    required: bool = Field(
-        False,
-        description="Stop training (exit 1, restartable) when a snapshot cannot be "
-        "persisted after its retries; false: journal persist_failed and go on.",
-    )
-    retries: int = Field(5, ge=1, description="Attempts per storage operation (tenacity).")
-    retry_max_wait_s: float = Field(
-        10.0, gt=0, description="Cap of the exponential backoff (with jitter) between attempts."
-    )
-    commit_timeout_s: float = Field(
-        600.0,
-        gt=0,
-        description="How long rank 0 waits for every rank's part before it "
-        "gives up on committing a snapshot.",
-    )
-    resume: bool = Field(
-        True, description="On start, restore the newest valid committed snapshot, if any."
-    )
-    local_dir: str | None = Field(
-        None,
-        description="Node-local tier (e.g. /dev/shm/orchestrator): also keep the "
-        "latest snapshot there, so a restart on the same nodes skips remote storage.",
-    )
-
-    @model_validator(mode="after")
-    def _has_trigger(self) -> PersistPolicy:
-        if self.enabled and self.every_steps is None and self.every_s is None:
-            raise ValueError("enabled persistence needs every_steps or every_s (or both)")
-        return self
-
-
-class SupervisorPolicy(_Section):
-    max_restarts: int = Field(10, ge=0, description="Restarts before the supervisor gives up.")
-    backoff_s: float = Field(
-        2.0, ge=0, description="First restart delay; doubles each restart (with jitter)."
-    )
-    backoff_max_s: float = Field(120.0, ge=0, description="Cap of the restart delay.")
-    max_unhealthy: int = Field(
-        2, ge=0, description="Attempts ending UNHEALTHY (exit 72) tolerated before stopping."
-    )
-    crash_loop_attempts: int = Field(
-        3,
-        ge=1,
-        description="Stop when this many attempts in a row made no step progress "
-        "beyond the best step so far (a crash loop), instead of burning max_restarts.",
-    )
-    progress_runtime_s: float = Field(
-        300.0,
-        ge=0,
-        description="An attempt that writes no heartbeats (a script without the "
-        "Guard) counts as progress for the crash-loop rule if it ran at least this long.",
-    )
-    hang_timeout_s: float = Field(
-        600.0,
-        gt=0,
-        description="No heartbeat progress from a rank for this long is a hang: "
-        "the workers are stopped and restarted.",
-    )
-    start_timeout_s: float | None = Field(
-        None,
-        gt=0,
-        description="Also a hang if an attempt writes no heartbeat within this "
-        "long (null: no limit; scripts without the Guard never write heartbeats).",
-    )
-    grace_s: float = Field(
-        60.0,
-        gt=0,
-        description="After SIGTERM, how long the workers get (to finish the step "
-        "and write a snapshot) before SIGKILL.",
-    )
-    heartbeat_interval_s: float = Field(
-        2.0, gt=0, description="Each rank's writer thread writes its heartbeat this often."
-    )
-
-
-class _StepFault(_Section):
-    step: int = Field(ge=0, description="Step at which the fault fires (0-based).")
-    rank: int = Field(0, ge=0, description="Global rank on which it fires.")
-
-
-class NanGradFault(_StepFault):
-    kind: Literal["nan_grad"]
-
-
-class InfLossFault(_StepFault):
-    kind: Literal["inf_loss"]
-
-
-class PoisonSampleFault(_Section):
-    kind: Literal["poison_sample"]
-    sample: int = Field(ge=0, description="Dataset index whose batches get a non-finite loss.")
-
-
-class CrashFault(_StepFault):
-    kind: Literal["crash"]
-
-
-class HangFault(_StepFault):
-    kind: Literal["hang"]
-
-
-class ExitFault(_StepFault):
-    kind: Literal["exit"]
-    code: int = Field(1, ge=0, le=255, description="Exit code of the process.")
-
-
-class StorageErrorFault(_Section):
-    kind: Literal["storage_error"]
-    op: Literal["write", "read"] = Field("write", description="Which storage operations fail.")
-    times: int = Field(1, ge=1, description="How many operations fail before storage heals.")
-    rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
-
-
-class SlowStorageFault(_Section):
-    kind: Literal["slow_storage"]
-    op: Literal["write", "read"] = Field("write", description="Which operations are slow.")
-    seconds: float = Field(gt=0, description="Added latency per operation.")
-    rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
-
-
-class CorruptAllreduceFault(_Section):
-    kind: Literal["corrupt_allreduce"]
-    rank: int = Field(ge=0, description="This rank's contributions to health checks are wrong.")
-
-
-class SlowRankFault(_Section):
-    kind: Literal["slow_rank"]
-    rank: int = Field(ge=0, description="This rank is slow in the bandwidth check.")
-    factor: float = Field(4.0, gt=1, description="How many times slower.")
-
-
-class FlakyComputeFault(_Section):
-    kind: Literal["flaky_compute"]
-    rank: int = Field(ge=0, description="This rank's compute self-test result is off.")
-
-
-class NanModuleFault(_Section):
-    kind: Literal["nan_module"]
-    module: str = Field(description="Qualified module name, e.g. blocks.2.attn.")
-    step: int = Field(ge=0, description="Its forward output turns NaN at this step.")
-    rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
-
-
-class TruncateSnapshotFault(_Section):
-    kind: Literal["truncate_snapshot"]
-    step: int = Field(
-        ge=0, description="Truncate a file of the first snapshot committed at or after this step."
-    )
-
-
-Fault = Annotated[
-    NanGradFault
-    | InfLossFault
-    | PoisonSampleFault
-    | CrashFault
-    | HangFault
-    | ExitFault
-    | StorageErrorFault
-    | SlowStorageFault
-    | TruncateSnapshotFault
-    | CorruptAllreduceFault
-    | SlowRankFault
-    | FlakyComputeFault
-    | NanModuleFault,
-    Field(discriminator="kind"),
+# The section and fault models are re-exported: ``from orchestrator.policy import X`` stays.
+__all__ = [
+    "AdjustPolicy",
+    "ClipPolicy",
+    "CorruptAllreduceFault",
+    "CrashFault",
+    "DetectPolicy",
+    "DiagnosePolicy",
+    "ENV_POLICY",
+    "EscalationPolicy",
+    "ExitFault",
+    "Fault",
+    "FlakyComputeFault",
+    "HangFault",
+    "HealthPolicy",
+    "InfLossFault",
+    "MetricsPolicy",
+    "NanGradFault",
+    "NanModuleFault",
+    "PersistPolicy",
+    "PoisonSampleFault",
+    "Policy",
+    "QuarantinePolicy",
+    "SlowRankFault",
+    "SlowStorageFault",
+    "SnapshotPolicy",
+    "SpikePolicy",
+    "StorageErrorFault",
+    "SupervisorPolicy",
+    "TruncateSnapshotFault",
+    "load_policy",
+    "parse_policy",
 ]
-# The tags pydantic puts in error locations of the union (not part of the YAML path).
-FAULT_KINDS = frozenset(
-    get_args(member.model_fields["kind"].annotation)[0] for member in get_args(get_args(Fault)[0])
-)
 
 
 class Policy(_Section):

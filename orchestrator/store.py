@@ -33,24 +33,15 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_random_exponential,
-)
 
 from orchestrator.codec import decode, dtype_of, encode, tensors_of
 from orchestrator.errors import PersistError
-from orchestrator.policy import PersistPolicy
 from orchestrator.protocol import SNAPSHOTS_DIR
 from orchestrator.snapshot import Snapshot
 
@@ -63,20 +54,6 @@ warnings.filterwarnings(
 )
 
 MANIFEST, MARKER = "manifest.json", "COMMITTED"
-TRANSIENT = (OSError, TimeoutError)  # what storage throws when it is only having a bad moment
-
-
-def storage_retry(
-    policy: PersistPolicy, before_sleep: Callable[[RetryCallState], None] | None = None
-) -> Retrying:
-    """Bounded exponential backoff with jitter for transient storage errors."""
-    return Retrying(
-        stop=stop_after_attempt(policy.retries),
-        wait=wait_random_exponential(multiplier=0.2, max=policy.retry_max_wait_s),
-        retry=retry_if_exception_type(TRANSIENT),
-        before_sleep=before_sleep,
-        reraise=True,
-    )
 
 
 def step_dir(step: int) -> str:
@@ -118,9 +95,11 @@ class DurableStore:
     ) -> int:
         """Write this rank's part of ``snap`` (the top-level ``keys``); return bytes written.
 
-        ``native`` keys go to ``torch.save`` files at the given paths (an engine's own
+        ``native`` keys go to the engine's own files at the given paths (an engine's own
         checkpoint layout) instead of DCP; ``texts`` are small files written as given.
         """
+        from orchestrator.engines.native import save_native  # only engines with such files
+
         native = {k: v for k, v in (native or {}).items() if k in keys}
         tensors: dict[str, torch.Tensor] = {}
         skeleton: dict[str, Any] = {
@@ -143,7 +122,7 @@ class DurableStore:
             path = self.path(d, rel)
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             with self.fs.open(path, "wb") as f:
-                torch.save(snap.materialize(key, clone=False), f)
+                save_native(snap.materialize(key, clone=False), f)
             skeleton[key] = {"__native__": rel}
             files[rel] = {"size": self.fs.size(path), "sha256": self._sha(path), "rank": rank}
         for rel, text in (texts or {}).items():
@@ -308,9 +287,11 @@ class DurableStore:
         tree: dict[str, Any] = {}
         for key, enc in doc["skeleton"].items():
             if isinstance(enc, dict) and "__native__" in enc:
-                # An engine's own format (pickled: its checksum was verified before this).
+                # An engine's own format (its checksum was verified before this).
+                from orchestrator.engines.native import load_native
+
                 with self.fs.open(self.path(d, enc["__native__"]), "rb") as f:
-                    tree[key] = torch.load(f, map_location="cpu", weights_only=False)
+                    tree[key] = load_native(f)
                 tensors_of(tree[key], key, template)
             else:
                 tree[key] = decode(enc, template)

@@ -17,9 +17,10 @@ from tenacity import RetryCallState, Retrying
 from orchestrator.faults import FaultInjector
 from orchestrator.journal import Journal
 from orchestrator.logs import RankLogger
-from orchestrator.policy import PersistPolicy
+from orchestrator.policy_sections import PersistPolicy
+from orchestrator.retry import storage_retry
 from orchestrator.snapshot import Snapshot
-from orchestrator.store import DurableStore, storage_retry
+from orchestrator.store import DurableStore
 
 logger = logging.getLogger(__name__)
 

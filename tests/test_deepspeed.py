@@ -243,7 +243,7 @@ def step(lr, multiplier):
     adapter = DeepSpeedEngine(engine)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).bfloat16()
     adapter.backward(engine(x).float().pow(2).mean())
-    adapter.prepare_check(multiplier)
+    adapter.judge(multiplier)  # DeepSpeed applies the step, then it is judged
     fp32 = engine.optimizer.state_dict()["single_partition_of_fp32_groups"][0].clone()
     return fp32, engine.optimizer.param_groups[0]["lr"]
 

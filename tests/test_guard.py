@@ -58,6 +58,27 @@ def test_api_misuse_says_what_to_do(tmp_path: Path) -> None:
         guard.close(persist=False)  # and give the test process its signal handlers back
 
 
+def test_step_refuses_a_loss_backward_did_not_see(tmp_path: Path) -> None:
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(parse_policy({}), model=model, optimizer=opt, run_dir=str(tmp_path))
+    try:
+        loader = guard.dataloader(Regression(), batch_size=4)
+        outcomes = []
+        for x, y in guard.batches(loader, max_steps=2):
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            guard.backward(loss)
+            if guard.global_step == 0:
+                with pytest.raises(UsageError, match=r"another tensor than guard\.backward"):
+                    guard.step(loss.detach() * 2)
+                outcomes.append(guard.step(loss))  # the same tensor is accepted
+            else:
+                outcomes.append(guard.step())
+        assert outcomes == ["commit", "commit"] and guard.global_step == 2
+    finally:
+        guard.close(persist=False)
+
+
 def test_ring_that_cannot_fit_fails_at_start(tmp_path: Path) -> None:
     model = torch.nn.Linear(1024, 1024)
     opt = torch.optim.Adam(model.parameters())
@@ -88,10 +109,9 @@ def test_window_scope_quarantines_preceding_steps(tmp_path: Path) -> None:
         "faults": [{"kind": "inf_loss", "step": 12}],
     }
     guard, _, _ = train(tmp_path / "run", policy, steps=20)
-    assert guard._sampler is not None
     (q,) = events(tmp_path / "run", "quarantine")
     assert len(q["details"]["samples"]) == 3 * 8  # steps 10, 11 and 12
-    assert set(q["details"]["samples"]) == set(guard._sampler.quarantined)
+    assert set(q["details"]["samples"]) == set(guard.quarantined)
 
 
 def test_grad_scaler_overflow_is_skipped_and_incident_cuts_scale(tmp_path: Path) -> None:

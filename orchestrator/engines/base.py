@@ -1,83 +1,147 @@
 """The contract between the Guard and a training engine.
 
 The Guard owns the protocol (check, snapshot, incident pipeline); an engine knows how to run
-backward and the optimizer step, which gradients are local, and what its state is. The base
-class holds the shared logic; backends implement the ``_``-prefixed hooks.
+backward and the optimizer step, which gradients are local, and what its state is.
+
+An optimizer step is run in one of two orders (:class:`StepOrder`), named by the engine:
+
+* ``JUDGE_THEN_APPLY`` (PyTorch, DDP, FSDP): the gradients are judged by the step's finite
+  check, then the optimizer applies them (``judge`` returns them, ``commit`` applies).
+* ``APPLY_THEN_JUDGE`` (DeepSpeed): the engine's own step computes the global norm and its
+  overflow flag, so the step is applied first (in ``judge``) and judged right after;
+  ``commit`` has nothing left to do. A step judged bad is undone exactly, because every
+  incident restores a snapshot taken before it.
+
+The public methods below run that shared sequence (the template pattern); engines implement
+the ``_``-prefixed hooks and state their facts in the ``_``-prefixed class attributes. The
+Guard never branches on an engine's type.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from orchestrator.snapshot import Snapshot
 
+if TYPE_CHECKING:
+    from orchestrator.policy import Policy
+
+
+class StepOrder(enum.Enum):
+    JUDGE_THEN_APPLY = "judge_then_apply"
+    APPLY_THEN_JUDGE = "apply_then_judge"
+
 
 class Engine(ABC):
     #: The model as the user built it (unwrapped): forensics hooks and faults attach here.
     core: torch.nn.Module
-    #: True when every rank holds the full, already-reduced gradient (single process, DDP):
-    #: the packed grad-norm^2 SUM is then divided by the world size instead of summed shards.
-    grads_replicated: bool = True
-    #: True when gradients left by a re-run under ``local_grads()`` are this rank's own, so
-    #: an isolation re-run may judge a sub-batch by them (not only by its loss).
-    rerun_grads_are_local: bool = True
+    #: When the optimizer step is applied relative to the finite check (module docstring).
+    order: ClassVar[StepOrder] = StepOrder.JUDGE_THEN_APPLY
     #: Top-level snapshot keys that differ between ranks even when the rest is replicated.
-    rank_local_keys: frozenset[str] = frozenset({"rng"})
+    rank_local_keys: ClassVar[frozenset[str]] = frozenset({"rng"})
     #: Optimizer steps take this many micro-batches (gradient accumulation); the Guard
     #: checks, commits and snapshots only at the boundaries.
     micro_steps_per_step: int = 1
-    #: ``poison_grad`` must run before ``backward`` (gradients are reduced inside it).
-    poison_before_backward: bool = False
+    #: A durable snapshot of this engine's sharded state can be loaded at another world size.
+    can_reshard: ClassVar[bool] = False
+
+    # Facts the template methods below read; engines set them, callers never do.
+    #: Every rank holds the full, already-reduced gradient (or the global norm): the packed
+    #: grad-norm^2 SUM is divided by the world size instead of summing shards.
+    _grads_replicated: ClassVar[bool] = True
+    #: Gradients left by a re-run under ``local_grads()`` are this rank's own.
+    _rerun_grads_local: ClassVar[bool] = True
+    #: Gradients are reduced inside backward: a fault must poison them before it.
+    _reduces_in_backward: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
 
     @property
     def state_replicated(self) -> bool:
         """Every rank holds the same model and optimizer state, so one rank's copy of it is
-        the whole durable snapshot. Differs from ``grads_replicated`` only where the
-        reported norm is global but the state is sharded (DeepSpeed ZeRO)."""
-        return self.grads_replicated
+        the whole durable snapshot."""
+        return self._grads_replicated
 
-    @abstractmethod
-    def backward(self, loss: torch.Tensor) -> None:
-        """Run the backward pass of ``loss`` (scaled, where the engine scales)."""
+    def check_policy(self, policy: Policy) -> None:
+        """Refuse, with a :class:`UsageError`, a policy this engine cannot carry out."""
+        del policy
 
-    @abstractmethod
-    def poison_grad(self) -> None:
-        """Fault injection: write a NaN into one local gradient (before any unscaling)."""
-
-    def prepare_check(self, lr_multiplier: float) -> None:
-        """Called once per optimizer step, before ``grads``. Engines that can only judge a
-        step after applying it apply it here (``lr_multiplier`` as in ``commit``); the Guard
-        restores a snapshot on every incident, so a bad step applied here is never kept."""
-        del lr_multiplier  # the default judges first and applies in commit
+    # --- the step (template methods) -------------------------------------------------------
+    def backward(self, loss: torch.Tensor, poison: bool = False) -> None:
+        """Backward pass of ``loss`` (scaled where the engine scales); with ``poison`` (a
+        fault), a NaN lands in one local gradient before any unscaling."""
+        if poison and self._reduces_in_backward:
+            self._poison_grad()
+        self._backward(loss)
+        if poison and not self._reduces_in_backward:
+            self._poison_grad()
 
     def accumulate(self) -> None:
         """A micro-batch that is not the last of its step has had its backward."""
-        raise NotImplementedError(
-            f"{type(self).__name__} does not accumulate gradients over micro-batches"
-        )
+        raise NotImplementedError(f"{self.name} does not accumulate gradients over micro-batches")
+
+    def judge(self, lr_multiplier: float) -> list[torch.Tensor]:
+        """Once per optimizer step: the tensors for the step's finite check (this rank's
+        unscaled gradients, or the norm the engine reported). An apply-then-judge engine
+        applies the step first (LR times ``lr_multiplier`` for this step only)."""
+        if self.order is StepOrder.APPLY_THEN_JUDGE:
+            self._apply(lr_multiplier)
+        return self.grads()
+
+    def commit(self, lr_multiplier: float, clip_coef: float | None = None) -> None:
+        """Keep the judged step: scale the gradients by ``clip_coef`` (clipping by a global
+        norm the caller has), then optimizer step (LR times ``lr_multiplier`` for this step
+        only), scheduler step, zero grads. Nothing left to do for apply-then-judge."""
+        if self.order is StepOrder.APPLY_THEN_JUDGE:
+            return
+        if clip_coef is not None:
+            torch._foreach_mul_(self.grads(), clip_coef)
+        self._apply(lr_multiplier)
+
+    def global_grad_norm(self, reduced_sq: float, world_size: int) -> float:
+        """The global gradient norm from the all-reduced SUM of every rank's local norm^2."""
+        return math.sqrt(reduced_sq / (world_size if self._grads_replicated else 1))
+
+    @property
+    def rerun_judges_grads(self) -> bool:
+        """Isolation re-runs judge a sub-batch by its gradients too, where they are this
+        rank's own and unscaled; elsewhere by its loss alone, and skip backward."""
+        return self._rerun_grads_local and not self.has_loss_scaler
+
+    def can_rerun_fp32(self) -> bool:
+        """An fp32 copy of the model can re-run a step here (forensics)."""
+        return False
+
+    def part_keys(self, keys: list[str], holds_shared: bool) -> list[str]:
+        """The top-level snapshot keys this rank writes to durable storage, when
+        ``holds_shared`` says whether it writes the state every rank shares."""
+        if holds_shared or not self.state_replicated:
+            return list(keys)
+        return sorted(self.rank_local_keys)
+
+    # --- hooks ----------------------------------------------------------------------------
+    @abstractmethod
+    def _backward(self, loss: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def _poison_grad(self) -> None: ...
+
+    @abstractmethod
+    def _apply(self, lr_multiplier: float) -> None:
+        """Optimizer step with the LR times ``lr_multiplier``, scheduler step, zero grads."""
 
     @abstractmethod
     def grads(self) -> list[torch.Tensor]:
         """This rank's gradients, ready for the finite check (unscaled)."""
-
-    #: The Guard may clip this engine's gradients (policy ``clip``). DeepSpeed clips inside
-    #: its own step, by its ``gradient_clipping``.
-    guard_clips: bool = True
-
-    def clip_grads(self, coef: float) -> None:
-        """Multiply this rank's gradients by ``coef`` (< 1): clipping by a global norm the
-        caller already has. Called between ``grads`` and ``commit``."""
-        torch._foreach_mul_(self.grads(), coef)
-
-    @abstractmethod
-    def commit(self, lr_multiplier: float) -> None:
-        """Optimizer step (LR times ``lr_multiplier`` for this step only), scheduler step,
-        zero grads."""
 
     @abstractmethod
     def abandon(self) -> None:
@@ -96,13 +160,10 @@ class Engine(ABC):
         """Bytes one snapshot will take on this rank, including optimizer state that a lazy
         optimizer has not created yet."""
 
-    #: A durable snapshot of this engine's sharded state can be loaded at another world size.
-    can_reshard: bool = False
-
     def native_files(self, step: int) -> dict[str, str]:
-        """Top-level snapshot keys this rank writes with ``torch.save`` in the engine's own
-        checkpoint layout (key -> path inside the snapshot directory) instead of DCP, so the
-        engine's own loader reads durable snapshots too."""
+        """Top-level snapshot keys this rank writes in the engine's own checkpoint layout
+        (key -> path inside the snapshot directory, see :mod:`orchestrator.engines.native`)
+        instead of DCP, so the engine's own loader reads durable snapshots too."""
         return {}
 
     def native_texts(self, step: int) -> dict[str, str]:
@@ -112,7 +173,7 @@ class Engine(ABC):
     def reshard(self, parts: list[dict[str, Any]], own: int) -> dict[str, Any]:
         """This rank's state from every saved rank's part (``parts[own]``: the part whose
         per-rank values, such as RNG, this rank takes)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot reshard a snapshot")
+        raise NotImplementedError(f"{self.name} cannot reshard a snapshot")
 
     @property
     def has_loss_scaler(self) -> bool:

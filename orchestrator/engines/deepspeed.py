@@ -1,9 +1,10 @@
 """DeepSpeed engines (``deepspeed.initialize``): ZeRO stages 1, 2 and 3, bf16 or fp16.
 
 DeepSpeed computes the global gradient norm and its overflow flag inside ``engine.step()``,
-so nothing public tells before the step whether its gradients are finite. The Guard asks
-right after instead: ``prepare_check`` runs ``engine.step()``, and ``grads`` hands the norm
-DeepSpeed reported (already global and identical on every rank) to the step's all-reduce.
+so nothing public tells before the step whether its gradients are finite. The engine is
+therefore ``APPLY_THEN_JUDGE`` (see :mod:`orchestrator.engines.base`): ``judge`` runs
+``engine.step()`` and hands the norm DeepSpeed reported (already global and identical on
+every rank) to the step's all-reduce; ``commit`` has nothing left to do.
 A step judged bad is undone exactly, because every incident restores a snapshot taken
 before it: fp32 master partitions, optimizer state, loss scaler, scheduler, counters, RNG.
 With fp16, an overflow is DeepSpeed's business as usual (it skips the step and lowers the
@@ -29,8 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from orchestrator.engines.base import Engine
+from orchestrator.engines.base import Engine, StepOrder
 from orchestrator.errors import UsageError
+from orchestrator.policy import Policy
 from orchestrator.rng import rng_state, set_rng_state
 from orchestrator.snapshot import Snapshot
 
@@ -107,10 +109,10 @@ def check_internals(ds: Any) -> None:
 
 
 class DeepSpeedEngine(Engine):
-    grads_replicated = True  # the norm DeepSpeed reports is already the global one
-    rerun_grads_are_local = False  # gradients are reduced inside backward
-    poison_before_backward = True
-    guard_clips = False  # DeepSpeed's step clips by its own gradient_clipping
+    order = StepOrder.APPLY_THEN_JUDGE
+    _grads_replicated = True  # the norm DeepSpeed reports is already the global one
+    _rerun_grads_local = False  # gradients are reduced inside backward
+    _reduces_in_backward = True
     rank_local_keys = frozenset({"ds_engine", "ds_optim", "ds_model", "rng", "guard"})
 
     def __init__(self, ds: Any) -> None:
@@ -163,6 +165,14 @@ class DeepSpeedEngine(Engine):
                         p.ds_tensor[n - pad :].zero_()
                     offset += n
 
+    def check_policy(self, policy: Policy) -> None:
+        if policy.clip.max_norm is not None:
+            raise UsageError(
+                f"clip.max_norm={policy.clip.max_norm}: DeepSpeed clips gradients inside "
+                "its own step; set gradient_clipping in the DeepSpeed config instead and "
+                "remove clip.max_norm from the policy"
+            )
+
     @property
     def state_replicated(self) -> bool:
         return False  # ZeRO partitions optimizer state (and at stage 3 the weights)
@@ -189,7 +199,7 @@ class DeepSpeedEngine(Engine):
             g["lr"] = lr
         self._saved_lr = []
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def _backward(self, loss: torch.Tensor) -> None:
         try:
             self.ds.backward(loss)
         finally:
@@ -197,7 +207,7 @@ class DeepSpeedEngine(Engine):
                 self._poison.remove()
                 self._poison = None
 
-    def poison_grad(self) -> None:
+    def _poison_grad(self) -> None:
         """A one-shot hook on the first trainable parameter puts a NaN in its gradient
         before DeepSpeed's reduction sees it."""
         param = next(p for p in self.ds.module.parameters() if p.requires_grad)
@@ -212,7 +222,7 @@ class DeepSpeedEngine(Engine):
     def accumulate(self) -> None:
         self.ds.step()  # not a boundary: DeepSpeed only counts the micro-step
 
-    def prepare_check(self, lr_multiplier: float) -> None:
+    def _apply(self, lr_multiplier: float) -> None:
         if not self.ds.is_gradient_accumulation_boundary():
             raise UsageError(
                 "the DeepSpeed engine is not at a gradient-accumulation boundary where the "
@@ -231,9 +241,6 @@ class DeepSpeedEngine(Engine):
         # Skipped for overflow, non-finite, or DeepSpeed's negative "invalid norm" marker.
         ok = self._applied and math.isfinite(self._norm) and self._norm >= 0
         return [torch.tensor(self._norm if ok else math.inf)]
-
-    def commit(self, lr_multiplier: float) -> None:
-        del lr_multiplier  # applied in prepare_check; DeepSpeed stepped the scheduler
 
     def abandon(self) -> None:
         # DeepSpeed's step consumed the gradients, and isolation re-runs skip backward.

@@ -6,7 +6,7 @@ divided by the world size, with no all-gather. Restore copies the shards back in
 into the very storage the parameters and optimizer state live in.
 
 The gradient norm of the finite check is the sum of the local shards' norm^2, which the
-step's all-reduce turns into the global norm (``grads_replicated = False``).
+step's all-reduce turns into the global norm (``_grads_replicated = False``).
 """
 
 from __future__ import annotations
@@ -53,11 +53,12 @@ def _locals(tree: Any) -> Any:
 
 
 class FSDP2Engine(TorchEngine):
-    grads_replicated = False
+    _grads_replicated = False
     # Re-runs keep gradient sync on: with it off, FSDP2 accumulates unsharded gradients
     # inside its own buffers, which would leak into the first step after the rollback.
     # Synced gradients mix the ranks, so re-runs are judged by the local loss alone.
-    rerun_grads_are_local = False
+    _rerun_grads_local = False
+    can_reshard = True
     #: Every part of the state is this rank's own: each rank persists all of it.
     rank_local_keys = frozenset({"model", "optim", "sched", "scaler", "rng", "guard", "layout"})
 
@@ -76,7 +77,7 @@ class FSDP2Engine(TorchEngine):
             "optim_params": [names.get(id(p)) for p in self._params()],
         }
 
-    def poison_grad(self) -> None:
+    def _poison_grad(self) -> None:
         for p in self._params():
             if p.grad is not None:
                 with torch.no_grad():
@@ -87,7 +88,8 @@ class FSDP2Engine(TorchEngine):
         self._unscale()
         return [_local(p.grad) for p in self._params() if p.grad is not None]
 
-    can_reshard = True
+    def can_rerun_fp32(self) -> bool:
+        return False  # the sharded state's dtype is FSDP's business
 
     def state(self) -> dict[str, Any]:
         return {
@@ -205,9 +207,12 @@ class FSDP1Engine(TorchEngine):
     module and the optimizer hold, so the snapshot takes ``named_parameters()`` (never
     ``state_dict()``, which all-gathers) and the plain optimizer state (local too)."""
 
-    grads_replicated = False
-    rerun_grads_are_local = False  # as for FSDP2: no_sync would leak unsharded grads
+    _grads_replicated = False
+    _rerun_grads_local = False  # as for FSDP2: no_sync would leak unsharded grads
     rank_local_keys = FSDP2Engine.rank_local_keys
+
+    def can_rerun_fp32(self) -> bool:
+        return False
 
     def _module_state(self) -> dict[str, torch.Tensor]:
         named: dict[str, torch.Tensor] = dict(self.model.named_parameters())

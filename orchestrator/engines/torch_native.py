@@ -10,6 +10,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.nn.parallel import DistributedDataParallel
 
+from orchestrator.diagnose import low_precision
 from orchestrator.engines.base import Engine
 from orchestrator.rng import rng_state, set_rng_state
 from orchestrator.snapshot import Snapshot
@@ -20,8 +21,6 @@ def _tensor_bytes(tensors: Any) -> int:
 
 
 class TorchEngine(Engine):
-    grads_replicated = True
-
     def __init__(
         self,
         model: torch.nn.Module,
@@ -51,10 +50,14 @@ class TorchEngine(Engine):
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def can_rerun_fp32(self) -> bool:
+        # Plain PyTorch or DDP with fp16/bf16 parameters (sharded engines own their dtype).
+        return low_precision(self.core)
+
+    def _backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def poison_grad(self) -> None:
+    def _poison_grad(self) -> None:
         for p in self._params():
             if p.grad is not None:
                 with torch.no_grad():
@@ -77,7 +80,7 @@ class TorchEngine(Engine):
             self.scaler.unscale_(self.optimizer)
         self._unscaled = True
 
-    def commit(self, lr_multiplier: float) -> None:
+    def _apply(self, lr_multiplier: float) -> None:
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         if lr_multiplier != 1.0:

@@ -1,0 +1,93 @@
+"""What an attempt came to, and what earlier attempts in the run directory did.
+
+The outcome comes from the exit code, or, because torchrun reports 1 whatever its workers
+exited with, from the journal events the workers wrote for that attempt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.journal import read_journal
+from orchestrator.protocol import (
+    EVENT_ATTEMPT_END,
+    EVENT_ATTEMPT_START,
+    EVENT_GAVE_UP,
+    EVENT_PREEMPTED,
+    EVENT_PREEMPTING,
+    EVENT_UNHEALTHY,
+    EXIT_GAVE_UP,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_UNHEALTHY,
+)
+
+OK, GAVE_UP, UNHEALTHY, PREEMPTED, CRASH, HANG = (
+    "ok",
+    "gave_up",
+    "unhealthy",
+    "preempted",
+    "crash",
+    "hang",
+)
+_BY_CODE = {
+    EXIT_OK: OK,
+    EXIT_GAVE_UP: GAVE_UP,
+    EXIT_UNHEALTHY: UNHEALTHY,
+    EXIT_PREEMPTED: PREEMPTED,
+}
+# "preempting" is written before the snapshot: a worker killed while writing it was still
+# preempted (it resumes from the previous snapshot).
+_BY_EVENT = {
+    EVENT_GAVE_UP: GAVE_UP,
+    EVENT_UNHEALTHY: UNHEALTHY,
+    EVENT_PREEMPTED: PREEMPTED,
+    EVENT_PREEMPTING: PREEMPTED,
+}
+
+
+@dataclass
+class Attempt:
+    number: int
+    returncode: int
+    outcome: str
+    best_step: int | None  # highest step any local rank reported in this attempt
+    runtime_s: float
+    stalled: dict[int, int] | None = None  # rank -> last step, when it hung
+
+
+def classify(run_dir: str, rc: int, attempt: int) -> str:
+    """The outcome of an attempt, from its exit code or its workers' journal events."""
+    if rc in _BY_CODE:
+        return _BY_CODE[rc]
+    for e in read_journal(run_dir):  # torchrun masks its workers' codes
+        if e.get("attempt") == attempt and e.get("kind") in _BY_EVENT:
+            return _BY_EVENT[e["kind"]]
+    return CRASH
+
+
+def next_attempt_number(run_dir: str, host: str) -> int:
+    """Attempts continue across supervisor restarts (the same command run again),
+    numbered from this host's supervisor events only."""
+    attempts = [
+        int(e.get("attempt", -1))
+        for e in read_journal(run_dir)
+        if e.get("kind") == EVENT_ATTEMPT_START and e["details"].get("host") == host
+    ]
+    return max(attempts, default=-1) + 1
+
+
+def history(run_dir: str, host: str) -> tuple[int, int]:
+    """(best step so far, attempts in a row without progress) from this host's earlier
+    supervisors, so the crash-loop rule also holds across requeues."""
+    best, stalled = -1, 0
+    for e in read_journal(run_dir):
+        if e.get("kind") != EVENT_ATTEMPT_END or e["details"].get("host", host) != host:
+            continue
+        step = e["details"].get("best_step")
+        if e["details"].get("outcome") == OK or (step is not None and step > best):
+            stalled = 0
+        else:
+            stalled += 1
+        best = max(best, step if step is not None else best)
+    return best, stalled

@@ -1,0 +1,111 @@
+"""The policy's ``faults`` list: one pydantic model per fault kind, told apart by ``kind``.
+
+What each fault does is in :mod:`orchestrator.faults`; these models only validate the YAML.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Fault(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class _StepFault(_Fault):
+    step: int = Field(ge=0, description="Step at which the fault fires (0-based).")
+    rank: int = Field(0, ge=0, description="Global rank on which it fires.")
+
+
+class NanGradFault(_StepFault):
+    kind: Literal["nan_grad"]
+
+
+class InfLossFault(_StepFault):
+    kind: Literal["inf_loss"]
+
+
+class PoisonSampleFault(_Fault):
+    kind: Literal["poison_sample"]
+    sample: int = Field(ge=0, description="Dataset index whose batches get a non-finite loss.")
+
+
+class CrashFault(_StepFault):
+    kind: Literal["crash"]
+
+
+class HangFault(_StepFault):
+    kind: Literal["hang"]
+
+
+class ExitFault(_StepFault):
+    kind: Literal["exit"]
+    code: int = Field(1, ge=0, le=255, description="Exit code of the process.")
+
+
+class StorageErrorFault(_Fault):
+    kind: Literal["storage_error"]
+    op: Literal["write", "read"] = Field("write", description="Which storage operations fail.")
+    times: int = Field(1, ge=1, description="How many operations fail before storage heals.")
+    rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
+
+
+class SlowStorageFault(_Fault):
+    kind: Literal["slow_storage"]
+    op: Literal["write", "read"] = Field("write", description="Which operations are slow.")
+    seconds: float = Field(gt=0, description="Added latency per operation.")
+    rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
+
+
+class CorruptAllreduceFault(_Fault):
+    kind: Literal["corrupt_allreduce"]
+    rank: int = Field(ge=0, description="This rank's contributions to health checks are wrong.")
+
+
+class SlowRankFault(_Fault):
+    kind: Literal["slow_rank"]
+    rank: int = Field(ge=0, description="This rank is slow in the bandwidth check.")
+    factor: float = Field(4.0, gt=1, description="How many times slower.")
+
+
+class FlakyComputeFault(_Fault):
+    kind: Literal["flaky_compute"]
+    rank: int = Field(ge=0, description="This rank's compute self-test result is off.")
+
+
+class NanModuleFault(_Fault):
+    kind: Literal["nan_module"]
+    module: str = Field(description="Qualified module name, e.g. blocks.2.attn.")
+    step: int = Field(ge=0, description="Its forward output turns NaN at this step.")
+    rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
+
+
+class TruncateSnapshotFault(_Fault):
+    kind: Literal["truncate_snapshot"]
+    step: int = Field(
+        ge=0, description="Truncate a file of the first snapshot committed at or after this step."
+    )
+
+
+Fault = Annotated[
+    NanGradFault
+    | InfLossFault
+    | PoisonSampleFault
+    | CrashFault
+    | HangFault
+    | ExitFault
+    | StorageErrorFault
+    | SlowStorageFault
+    | TruncateSnapshotFault
+    | CorruptAllreduceFault
+    | SlowRankFault
+    | FlakyComputeFault
+    | NanModuleFault,
+    Field(discriminator="kind"),
+]
+# The tags pydantic puts in error locations of the union (not part of the YAML path).
+FAULT_KINDS = frozenset(
+    get_args(member.model_fields["kind"].annotation)[0] for member in get_args(get_args(Fault)[0])
+)

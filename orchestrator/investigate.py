@@ -1,0 +1,228 @@
+"""The investigation of a non-finite step: re-runs through the user's own loop, then a
+verdict.
+
+A state machine over the re-runs of the bad step (``guard.batches`` yields them and
+``guard.step`` judges each, every rank in lockstep):
+
+1. the whole step once more, with forensics hooks (the module where the NaN is born);
+2. if it reproduced in a low-precision model, once more in fp32 (precision or data);
+3. bisection of each origin rank's samples down to the culprits (:class:`Bisection`).
+
+When no rank has re-runs left, the ranks agree on what they found and :meth:`judge`
+returns a :class:`Verdict`: explained by data (a few samples, quarantined) or
+unexplained, and what recovery should do. Every decision is identical on every rank: its
+inputs are agreed by a collective first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from orchestrator.comm import Comm
+from orchestrator.detect import grad_norm
+from orchestrator.diagnose import ModuleLocator, full_precision
+from orchestrator.engines import Engine
+from orchestrator.incident import Incident
+from orchestrator.isolate import Bisection
+from orchestrator.policy import Policy
+
+
+@dataclass
+class Verdict:
+    """What recovery does about an investigated incident."""
+
+    cause: str  # "data" (explained by the quarantined samples) | "unexplained"
+    why: str  # isolated | not_reproduced | not_isolated | not_quarantined | most_samples | recurred
+    culprits: list[int]  # samples to quarantine
+    cut_lr: bool
+    scale: bool  # apply adjust.loss_scale_factor
+    health: bool  # the classification's actions ask for the health checks
+
+
+class Investigation:
+    def __init__(
+        self, policy: Policy, comm: Comm, engine: Engine, decide: Callable[..., None]
+    ) -> None:
+        self.policy, self.comm, self.engine = policy, comm, engine
+        self._decide = decide  # journals a collective decision: decide(kind, step, **details)
+        self._probe: Bisection | None = None
+        self._inc: Incident | None = None
+        self._previous: int | None = None  # step of the incident before this one
+        self._step_ids: list[int] = []
+        self._step_samples = 0
+        self._reruns = 0
+        self._locator: ModuleLocator | None = None  # forensics hooks for the next re-run
+        self._located: dict[str, str] | None = None
+        self._fp32_ids: list[int] | None = None  # the fp32 re-run to do next
+        self._fp32_running = False
+        self._precision: str | None = None  # this rank's fp32 re-run verdict
+
+    @property
+    def splits(self) -> bool:
+        """Isolation bisects the bad step down to its samples."""
+        q = self.policy.quarantine
+        return q.enabled and q.scope == "step" and q.isolate
+
+    @property
+    def reruns(self) -> bool:
+        """A non-finite step is re-run (isolation, forensics, or both)."""
+        return self.splits or self.policy.diagnose.rerun
+
+    @property
+    def active(self) -> bool:
+        return self._probe is not None
+
+    @property
+    def incident_step(self) -> int | None:
+        """The step under investigation (re-runs see it, e.g. to re-arm a fault)."""
+        return self._inc.step if self._probe is not None and self._inc is not None else None
+
+    @property
+    def needs_backward(self) -> bool:
+        """The running re-run is judged by its gradients too (else by its loss alone)."""
+        return not self._fp32_running and self.engine.rerun_judges_grads
+
+    def start(
+        self, inc: Incident, step_ids: list[int], step_samples: int, previous: int | None
+    ) -> None:
+        """Investigate ``inc``: this rank ran ``step_ids`` in the bad step, all ranks
+        ``step_samples``; ``previous`` is the step of the incident before it, if any."""
+        suspects = list(step_ids) if self.comm.rank in inc.origin_ranks else []
+        self._probe = Bisection(suspects, filler=step_ids[:1], split=self.splits)
+        self._inc, self._step_ids, self._previous = inc, list(step_ids), previous
+        self._step_samples, self._reruns = step_samples, 0
+        self._locator = (
+            ModuleLocator(self.engine.core, backward=self.engine.rerun_judges_grads)
+            if self.policy.diagnose.rerun
+            else None
+        )
+        self.engine.abandon()
+
+    @contextlib.contextmanager
+    def rerun(self) -> Iterator[list[int]]:
+        """The next re-run: its sample ids, with its hooks active around the loop body."""
+        assert self._probe is not None
+        fp32, self._fp32_ids = self._fp32_ids, None
+        ids = fp32 if fp32 is not None else self._probe.next_group()
+        # Forensics hooks exist only during the first re-run (the whole step).
+        hooks: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if fp32 is not None:
+            self._fp32_running = True
+            hooks = full_precision(self.engine.core)
+        elif self._reruns == 0 and self._locator is not None:
+            hooks = self._locator
+        with self.engine.local_grads(), hooks:
+            yield ids
+
+    def judge(self, loss: torch.Tensor) -> Verdict | None:
+        """Judge the re-run just done; None while re-runs are left (on any rank)."""
+        assert self._probe is not None
+        bad = not bool(torch.isfinite(loss).all())
+        own = self._probe.current is not None  # this rank re-ran its own samples
+        if self._fp32_running:  # the fp32 re-run: judged by its loss alone
+            self._fp32_running = False
+            self._precision = ("data_or_model" if bad else "precision") if own else None
+        else:
+            if self.engine.rerun_judges_grads:
+                grads = self.engine.grads()  # local: the re-run ran without gradient sync
+                bad = bad or (bool(grads) and not bool(torch.isfinite(grad_norm(grads))))
+            if self._reruns == 0 and self._locator is not None:
+                self._located = self._locator.result if own else None
+                self._locator = None
+                # A reproducible NaN in a low-precision model: once more in fp32 (every
+                # rank together; the ranks without suspects re-run their filler).
+                if self.comm.all_reduce_max(int(bad and own)) and self.engine.can_rerun_fp32():
+                    current = self._probe.current
+                    self._fp32_ids = current[0] if current is not None else self._probe.filler
+            self._probe.record(bad)
+        self._reruns += 1
+        self.engine.abandon()
+        if self.comm.all_reduce_max(int(self._probe.pending or self._fp32_ids is not None)):
+            return None
+        return self._verdict()
+
+    def _verdict(self) -> Verdict:
+        assert self._probe is not None and self._inc is not None
+        gathered = self.comm.all_gather_object(
+            {
+                "culprits": self._probe.culprits,
+                "reproduced": self._probe.reproduced,
+                "located": self._located,
+                "precision": self._precision,
+            }
+        )
+        inc = self._inc
+        inc.reproduced = any(g["reproduced"] for g in gathered)
+        inc.probe_steps = self._reruns
+        self._probe, self._located, self._precision = None, None, None
+        actions = {"quarantine", "cut_lr"}  # without forensics: what isolation implies
+        if self.policy.diagnose.rerun:
+            actions = self._classify(inc, gathered)
+        elif not inc.reproduced:
+            actions = {"cut_lr"}
+        found = sorted({i for g in gathered for i in g["culprits"]})
+        q = self.policy.quarantine
+        quarantine = q.enabled and "quarantine" in actions
+        health = "health" in actions and not self.policy.health.on_incident
+        # Explained by data: bisection reproduced it on a few samples and the rest of the
+        # step was clean without them. Reproducible on every sample (or on most) is the
+        # model or the LR, not the data: nothing is quarantined then.
+        if not inc.reproduced:
+            why = "not_reproduced"
+        elif not self.splits:
+            why = "not_isolated"
+        elif not quarantine:  # diagnose.actions (or quarantine.enabled) said not to
+            why = "not_quarantined"
+        elif not 0 < len(found) <= q.max_step_fraction * self._step_samples:
+            why = "most_samples"
+        elif self._previous is not None and inc.step <= self._previous:
+            # The replay after the last incident failed again before getting past it: a
+            # replay is exact and its samples passed before, so the model is what changed
+            # (or a bad sample moved into the step as quarantine shifted the order: rare).
+            why = "recurred"
+        else:
+            adjust = self.policy.adjust
+            return Verdict(
+                "data", "isolated", found, adjust.cut_lr_on_data, adjust.loss_scale_on_data, health
+            )
+        # Without bisection (quarantine.isolate off) a reproduced step quarantines its
+        # origin ranks' samples whole, as isolation off always has.
+        culprits = found if quarantine and not self.splits else []
+        return Verdict("unexplained", why, culprits, "cut_lr" in actions, True, health)
+
+    def _classify(self, inc: Incident, gathered: list[dict[str, Any]]) -> set[str]:
+        """Classify the incident from the re-runs and journal it with the evidence.
+        Returns its policy actions."""
+        verdicts = {g["precision"] for g in gathered} - {None}
+        inc.classification = (
+            "transient"
+            if not inc.reproduced
+            # fp32 re-run: still non-finite somewhere -> the data or the model itself
+            else "data_or_model"
+            if "data_or_model" in verdicts
+            else "precision"  # finite in fp32: the low-precision format overflowed
+            if verdicts
+            else "deterministic"
+        )
+        where = [
+            {**g["located"], "rank": r} for r, g in enumerate(gathered) if g["located"] is not None
+        ]
+        if where:
+            inc.origin_module = where[0]["module"]
+        actions: set[str] = set(self.policy.diagnose.actions[inc.classification])  # type: ignore[index]
+        self._decide(
+            "diagnosis",
+            inc.step,
+            incident_step=inc.step,
+            classification=inc.classification,
+            actions=sorted(actions),
+            located=where,
+            origin_ranks=inc.origin_ranks,
+            batch_ids=self.comm.all_gather_object(self._step_ids),
+        )
+        return actions

@@ -1,0 +1,130 @@
+"""The state keeper: snapshots of this rank's state into the host ring, the durable
+snapshot written outside the step protocol (end of run, preemption), and the resume at
+start. The Guard hands it its own counters and data position (``guard_state``), saved with
+every snapshot under the ``guard`` key.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator.comm import Comm
+from orchestrator.durable import DurableTier
+from orchestrator.engines import Engine
+from orchestrator.errors import PersistError
+from orchestrator.heartbeat import Heartbeat
+from orchestrator.journal import Decisions
+from orchestrator.policy import Policy
+from orchestrator.snapshot import Snapshot, SnapshotRing
+
+
+class StateKeeper:
+    def __init__(
+        self,
+        policy: Policy,
+        comm: Comm,
+        engine: Engine,
+        ring: SnapshotRing,
+        durable: DurableTier,
+        heartbeat: Heartbeat,
+        decide: Decisions,
+    ) -> None:
+        self.policy, self.comm, self.engine, self.ring = policy, comm, engine, ring
+        self.durable, self.heartbeat, self.decide = durable, heartbeat, decide
+
+    def capture(self, guard_state: dict[str, Any], initial: bool = False) -> Snapshot | None:
+        """Copy the state into the ring (asynchronously where the device allows); the
+        starting state (``initial``) is trusted as is, so it is sealed at once."""
+        t0 = time.perf_counter()
+        step = int(guard_state["step"])
+        state = self.engine.state()
+        state["guard"] = guard_state
+        snap = self.ring.capture(step, state)
+        if snap is None:
+            # Every slot is either the newest sealed one or still being persisted.
+            self.decide(
+                "snapshot_skipped",
+                step,
+                reason="every ring slot holds the newest sealed snapshot or one still being "
+                "written to durable storage; raise snapshot.keep (3 when persisting often)",
+            )
+            return None
+        if initial:
+            # Rolling back to the starting state is a restart.
+            snap.wait()
+            snap.sealed = True
+        self.decide(
+            "snapshot",
+            step,
+            tier="memory",
+            bytes=snap.nbytes,
+            stall_ms=round((time.perf_counter() - t0) * 1e3, 3),
+            initial=initial,
+        )
+        return snap
+
+    def seal_through(self, step: int, rollbacks: int) -> None:
+        """Step ``step`` is committed: seal the snapshots old enough (the steps after them
+        were finite) and hand the durable tier those it should persist."""
+        for snap in self.ring.seal_through(step, self.policy.snapshot.seal_after_steps):
+            self.durable.on_sealed(snap, rollbacks)
+
+    def persist_now(
+        self, guard_state: Callable[[], dict[str, Any]], rollbacks: int, phase: str
+    ) -> bool:
+        """Snapshot the current state and write it to durable storage, waiting for it
+        (bounded by ``persist.commit_timeout_s``, and by ``supervisor.grace_s`` when
+        preempting; the heartbeat says ``phase`` meanwhile). True if it was written."""
+        p = self.policy
+        timeout_s = p.persist.commit_timeout_s
+        if phase == "preempting":
+            timeout_s = min(p.supervisor.grace_s, timeout_s)
+        step = int(guard_state()["step"])
+        return self.durable.persist_now(
+            lambda: self.capture(guard_state()),
+            rollbacks,
+            timeout_s=timeout_s,
+            beat=lambda: self.heartbeat.beat(step, phase=phase, force=True),
+        )
+
+    def resume(self) -> dict[str, Any] | None:
+        """Load the newest valid durable snapshot (collective) into the live state and make
+        it the ring's first, sealed, snapshot. Returns its ``guard`` state, or None when
+        there is nothing to resume from.
+
+        Raises:
+            PersistError: a snapshot was found but does not fit this model or optimizer.
+        """
+        found = self.durable.find_resume()
+        if found is None:
+            return None
+        tree, manifest, url = found
+        g = tree["guard"]
+        step = int(g["step"])
+        snap = self.ring.capture(step, tree)
+        assert snap is not None  # the ring is empty at start
+        snap.wait()
+        snap.sealed = True
+        try:
+            self.engine.restore(snap, 1.0)
+        except (RuntimeError, KeyError, ValueError) as err:
+            raise PersistError(
+                f"snapshot {step} under {url} does not fit this model or optimizer ({err}). "
+                "Resume with the model it was written by, or set persist.resume: false (or "
+                "another persist.url) to start from scratch"
+            ) from err
+        self.durable.invalidate_after(step)
+        self.decide(
+            "resume",
+            step,
+            snapshot_step=step,
+            url=url,
+            tier=self.durable.tier_of(url),
+            saved_world_size=manifest["world_size"],
+            world_size=self.comm.world_size,
+            epoch=int(g["epoch"]),
+            offset=int(g["offset"]),
+        )
+        return dict(g)

@@ -1,0 +1,235 @@
+"""The Guard's start and stop: the run directory, the host-memory check, stop signals,
+the run's start record, preemption and close."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
+
+import yaml
+
+from orchestrator.comm import Comm
+from orchestrator.cursor import DataCursor
+from orchestrator.durable import DurableTier
+from orchestrator.engines import Engine
+from orchestrator.errors import GaveUp, PolicyError, Preempted, Unhealthy
+from orchestrator.health import HealthChecker
+from orchestrator.heartbeat import Heartbeat
+from orchestrator.journal import Decisions, Journal
+from orchestrator.keeper import StateKeeper
+from orchestrator.metrics import Metrics
+from orchestrator.policy import Policy
+from orchestrator.protocol import ENV_RUN_DIR, POLICY_NAME
+from orchestrator.recovery import Recovery
+
+
+def resolve_run_dir(comm: Comm, run_dir: str | None) -> str:
+    """``run_dir``, else $ORCHESTRATOR_RUN_DIR, else a fresh ``./runs/<time>-<pid>``, as
+    rank 0 of the group chooses it (ranks may see different environments or clocks)."""
+    chosen = run_dir or os.environ.get(ENV_RUN_DIR)
+    if not chosen:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        chosen = os.path.join("runs", f"{stamp}-{os.getpid()}")
+    chosen = os.path.abspath(comm.broadcast_object(chosen))
+    os.makedirs(chosen, exist_ok=True)
+    return chosen
+
+
+def check_memory(policy: Policy, comm: Comm, engine: Engine) -> None:
+    """Fail at start, on every rank alike, if the snapshot ring cannot fit on this host.
+
+    Raises:
+        PolicyError: with what the ring needs and what to change.
+    """
+    snap = policy.snapshot
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    per_rank = engine.estimate_state_bytes()
+    need = per_rank * snap.keep * local_ranks
+    gib = 2**30
+    problem = None
+    detail = (
+        f"snapshot.keep={snap.keep} needs {need / gib:.2f} GiB of host memory on this node "
+        f"({local_ranks} local rank(s) x {snap.keep} slots x {per_rank / gib:.3f} GiB)"
+    )
+    if snap.max_host_memory_gb is not None and need > snap.max_host_memory_gb * gib:
+        problem = f"{detail}, over snapshot.max_host_memory_gb={snap.max_host_memory_gb}"
+    else:
+        avail = _available_host_bytes()
+        if avail is not None and need > 0.8 * avail:
+            problem = f"{detail}, but only {avail / gib:.2f} GiB is free (80% usable)"
+    problems = [p for p in comm.all_gather_object(problem) if p]
+    if problems:
+        raise PolicyError(
+            f"{problems[0]}: lower snapshot.keep, or free host memory, or raise "
+            "snapshot.max_host_memory_gb"
+        )
+
+
+def _available_host_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class StopSignals:
+    """SIGTERM/SIGINT become a collective stop at the next step boundary (``requested``
+    rides the step's all-reduce). SIGTERM stays caught (torchrun and a supervisor may both
+    send it); a second SIGINT gets Python's default: KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+
+        def on_signal(signum: int, frame: object) -> None:
+            self.requested = True
+            if signum == signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+
+        self._old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def restore(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in self._old.items():
+                signal.signal(sig, handler)
+        self._old = {}
+
+
+class Lifecycle:
+    """The run's start and end on this rank: the policy file and ``run_start`` record, the
+    preflight health check, stop signals, preemption, and close (final durable snapshot,
+    writers and checkers stopped, ``run_end``)."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        comm: Comm,
+        run_dir: str,
+        *,
+        journal: Journal,
+        keeper: StateKeeper,
+        durable: DurableTier,
+        heartbeat: Heartbeat,
+        metrics: Metrics,
+        health: HealthChecker | None,
+        recovery: Recovery,
+        cursor: DataCursor,
+    ) -> None:
+        self.policy, self.comm, self.run_dir, self.journal = policy, comm, run_dir, journal
+        self.keeper, self.durable, self.heartbeat, self.metrics = (
+            keeper,
+            durable,
+            heartbeat,
+            metrics,
+        )
+        self.health, self.recovery, self.cursor = health, recovery, cursor
+        self.decide = Decisions(journal, comm.rank == 0)
+        self.signals = StopSignals()
+        self.closed = False
+
+    def start(self, quarantined: int) -> None:
+        """Record the run's start; run the preflight health check if the policy asks.
+
+        Raises:
+            Unhealthy: the preflight check failed (the run is closed).
+        """
+        p = self.policy
+        if self.comm.rank == 0:
+            with open(os.path.join(self.run_dir, POLICY_NAME), "w", encoding="utf-8") as f:
+                yaml.safe_dump(p.model_dump(mode="json"), f, sort_keys=False)
+        self.decide(
+            "run_start",
+            0,
+            world_size=self.comm.world_size,
+            run_dir=self.run_dir,
+            policy_digest=p.digest(),
+            quarantined=quarantined,
+            faults=len(p.faults),
+        )
+        if self.health is not None and p.health.preflight:
+            with self.closing_on_stop(lambda: 0):
+                self.recovery.check_health("preflight", 0)
+        self.signals.install()  # last: a failed start must not keep them
+
+    @contextlib.contextmanager
+    def closing_on_stop(self, step: Callable[[], int]) -> Iterator[None]:
+        """Close the run (nothing persisted) when a budget or health stop leaves the block."""
+        try:
+            yield
+        except (GaveUp, Unhealthy):
+            self.close(step(), persist=False)
+            raise
+
+    def preempt(self, step: int, guard_state: Callable[[], dict[str, Any]]) -> NoReturn:
+        """Write a durable snapshot of the current state, journal, and stop. The intent is
+        journaled first: a worker killed while writing was still preempted.
+
+        Raises:
+            Preempted: always.
+        """
+        self.decide("preempting", step)
+        written = self.keeper.persist_now(guard_state, self.recovery.rollbacks, "preempting")
+        self.decide("preempted", step, persisted=written, url=self.durable.store.url)
+        self.close(step, persist=False)
+        raise Preempted(
+            f"stopped on request at step {step}"
+            + (" after a durable snapshot" if written else " (no durable snapshot written)")
+        )
+
+    def close(
+        self,
+        step: int,
+        persist: bool,
+        final_state: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
+        """Persist ``final_state`` (if given and ``persist``: a run that ended between
+        steps), stop the writer and checkers, journal the end. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        finished = persist and final_state is not None
+        if finished:
+            assert final_state is not None
+            self.heartbeat.beat(step, phase="closing", force=True)
+            if step > self.durable.mark and step > 0:
+                # A finished run can be picked up (or resumed at another world size) from
+                # its last step.
+                self.keeper.persist_now(final_state, self.recovery.rollbacks, "closing")
+        self.durable.close()
+        self.metrics.flush()
+        if self.health is not None:
+            self.health.close()
+        self.heartbeat.beat(step, phase="done", force=True)
+        self.heartbeat.close()
+        self.signals.restore()
+        summary: dict[str, Any] = {}
+        if self.cursor.sampler is not None:
+            seen = self.cursor.samples_seen()
+            summary = {
+                "samples_seen": seen,
+                "quarantined_fraction": len(self.cursor.quarantined) / seen,
+            }
+        self.decide(
+            "run_end",
+            step,
+            status="finished" if finished else "stopped",
+            steps=step,
+            incidents=len(self.recovery.incidents),
+            rollbacks=self.recovery.rollbacks,
+            quarantined=sorted(self.cursor.quarantined),
+            **summary,
+        )
+        self.journal.close()
