@@ -74,6 +74,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     loader = guard.dataloader(ds, batch_size=args.batch_size)
     guard_on = Guard(parse_policy(on), model=model, optimizer=opt, run_dir=f"{tmp}/on")
     loader_on = guard_on.dataloader(ds, batch_size=args.batch_size)
+    for g in (guard, guard_on):  # the plain loop and the other Guard step this optimizer too
+        g.engine.release()  # (the Guard refuses steps it did not make; here they are meant)
     _plain_steps(model, opt, plain_loader, 3)  # warm up (lazy Adam state, allocator)
     _guard_steps(guard, model, loader, 3)
     _guard_steps(guard_on, model, loader_on, 3)

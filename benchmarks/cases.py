@@ -191,6 +191,7 @@ def detect(args: argparse.Namespace) -> dict[str, Any]:
     run_dir = _shared_dir(comm)
     policy = parse_policy({"snapshot": {"every_steps": 10**9}, "persist": {"enabled": False}})
     guard = Guard(policy, model=model, optimizer=opt, run_dir=run_dir)
+    guard.engine.release()  # the plain loop steps this optimizer too, on purpose (interleaved)
     loader = guard.dataloader(ds, batch_size=args.batch_size)
     batches = guard.batches(loader, max_steps=10**9)
     plain_it = iter(torch.utils.data.DataLoader(ds, batch_size=args.batch_size))

@@ -8,9 +8,13 @@ import sys
 from typing import IO
 
 
-def describe(returncode: int) -> str:
+def describe(returncode: int, killed_by_us: bool = False) -> str:
+    """How the launcher ended, for a person; ``killed_by_us``: the supervisor stopped it
+    (a hang, a signal it forwarded), so a SIGKILL is not someone else's."""
     if returncode < 0:
         name = signal.Signals(-returncode).name
+        if killed_by_us:
+            return f"killed by the supervisor ({name})"
         hint = " (the OOM killer?)" if name == "SIGKILL" else ""
         return f"killed by {name}{hint}"
     return f"exit {returncode}"

@@ -179,7 +179,8 @@ class Supervisor:
                     },
                 )
                 self._say(
-                    f"attempt {attempt} ended: {a.outcome} ({describe(a.returncode)}); "
+                    f"attempt {attempt} ended: {a.outcome} "
+                    f"({describe(a.returncode, killed_by_us=a.outcome == HANG)}); "
                     f"restart {restarts} in {delay:.1f} s"
                 )
                 if self._wake.wait(delay) and self._signals:

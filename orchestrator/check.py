@@ -5,6 +5,7 @@ same way on every rank: the global loss and grad norm, and why the step is bad, 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from orchestrator.detect import (
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine
 from orchestrator.heartbeat import Heartbeat
+from orchestrator.journal import Decisions
 from orchestrator.policy import Policy
 
 
@@ -44,10 +46,13 @@ class StepCheck:
         engine: Engine,
         durable: DurableTier,
         heartbeat: Heartbeat,
+        decide: Decisions,
     ) -> None:
         self.comm, self.engine, self.durable, self.heartbeat = comm, engine, durable, heartbeat
+        self.decide = decide
         self.check_grads = policy.detect.check_grads
         self.spikes = SpikeDetector(policy.detect.spike)
+        self._zero_seen = False
 
     def run(
         self, step: int, loss: torch.Tensor, grads: list[torch.Tensor], stop_requested: bool
@@ -71,4 +76,16 @@ class StepCheck:
             spike = self.spikes.check({"loss": gloss, "grad_norm": gnorm})
             if spike is not None:
                 reason = f"spike_{spike[0]}"
+        if self.check_grads and gnorm == 0.0 and reason is None and not self._zero_seen:
+            self._zero_seen = True  # said once per run: zero gradients are a loop bug
+            self._zero_gradients(step)
         return Checked(gloss, gnorm, reason, overflow, vals[STOP] > 0)
+
+    def _zero_gradients(self, step: int) -> None:
+        hint = (
+            f"the global gradient norm is exactly 0.0 at step {step}: the finite check sees "
+            "nothing. Were the gradients zeroed (optimizer.zero_grad()) or the loss detached "
+            "before guard.step? The Guard zeroes them after each step; the loop must not"
+        )
+        self.decide("zero_gradients", step, hint=hint)
+        warnings.warn(hint, UserWarning, stacklevel=4)

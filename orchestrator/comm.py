@@ -77,7 +77,11 @@ def exit_process(code: int = 0) -> NoReturn:
     on a loaded 2-core machine (core: ``ProcessGroupGloo::runLoop`` ->
     ``~AsyncBarrierWork`` -> ``~AsyncAllreduceWork`` -> ``TensorImpl::decref_pyobject`` ->
     ``take_gil`` -> ``pthread_exit``). ``os._exit`` skips that finalization, and with it
-    ``atexit`` handlers: close what you opened (the Guard, loggers, trackers) before."""
+    ``atexit`` handlers: close what you opened (the Guard, loggers, trackers) before; a
+    Guard left open is closed here as at exit (``run_end`` status ``not_closed``)."""
+    lifecycle = sys.modules.get("orchestrator.lifecycle")  # loaded if a Guard ever ran
+    if lifecycle is not None:
+        lifecycle.close_forgotten()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     logging.shutdown()

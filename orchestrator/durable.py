@@ -9,7 +9,6 @@ for a part that another rank decided not to write.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import time
@@ -25,6 +24,7 @@ from orchestrator.errors import PersistError
 from orchestrator.faults import FaultInjector
 from orchestrator.journal import Journal
 from orchestrator.policy import Policy
+from orchestrator.protocol import local_tier_key
 from orchestrator.retry import storage_retry
 from orchestrator.snapshot import Snapshot
 from orchestrator.store import DurableStore, default_url
@@ -179,8 +179,7 @@ class DurableTier:
         """Group the ranks by host: each node keeps its own copy under persist.local_dir."""
         hosts = self.comm.all_gather_object(socket.gethostname())
         node_ranks = [r for r, h in enumerate(hosts) if h == hosts[self.comm.rank]]
-        # One directory per run, so runs sharing a node (and its /dev/shm) never mix.
-        run_key = hashlib.sha1(run_dir.encode()).hexdigest()[:12]
+        run_key = local_tier_key(run_dir)
         assert self.policy.local_dir is not None
         url = f"{self.policy.local_dir.rstrip('/')}/{run_key}"
         return LocalTier(DurableStore(url), leader=min(node_ranks), node_ranks=node_ranks)

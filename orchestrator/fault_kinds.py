@@ -19,11 +19,17 @@ class _StepFault(_Fault):
     rank: int = Field(0, ge=0, description="Global rank on which it fires.")
 
 
-class NanGradFault(_StepFault):
+class _MicroFault(_StepFault):
+    micro: int = Field(
+        0, ge=0, description="Micro-batch of the step it fires in (gradient accumulation)."
+    )
+
+
+class NanGradFault(_MicroFault):
     kind: Literal["nan_grad"]
 
 
-class InfLossFault(_StepFault):
+class InfLossFault(_MicroFault):
     kind: Literal["inf_loss"]
 
 

@@ -59,7 +59,8 @@ def fault_key(f: Fault) -> str:
         return f"{f.kind}:r{f.rank}"
     if isinstance(f, NanModuleFault):
         return f"nan_module:{f.module}@{f.step}"
-    return f"{f.kind}@{f.step}:r{f.rank}"
+    micro = getattr(f, "micro", 0)
+    return f"{f.kind}@{f.step}" + (f".{micro}" if micro else "") + f":r{f.rank}"
 
 
 class InjectedStorageError(OSError):
@@ -114,11 +115,12 @@ class FaultInjector:
             (f.factor for f in mine if isinstance(f, SlowRankFault)), default=1.0
         )
 
-    def _take(self, cls: type, step: int, at_or_after: bool = False) -> bool:
+    def _take(self, cls: type, step: int, at_or_after: bool = False, micro: int = 0) -> bool:
         with self._lock:
             for f in self._pending:
                 fstep = getattr(f, "step", None)
                 hit = fstep is not None and (step >= fstep if at_or_after else step == fstep)
+                hit = hit and getattr(f, "micro", micro) == micro
                 if isinstance(f, cls) and hit:
                     self._pending.remove(f)
                     self.journal.write(
@@ -128,13 +130,18 @@ class FaultInjector:
         return False
 
     def on_loss(
-        self, loss: torch.Tensor, step: int, sample_ids: Iterable[int], one_shot: bool
+        self,
+        loss: torch.Tensor,
+        step: int,
+        sample_ids: Iterable[int],
+        one_shot: bool,
+        micro: int = 0,
     ) -> torch.Tensor:
         """The loss as the faults make it: NaN for a poisoned sample, plus inf for an
         ``inf_loss`` fault (``one_shot=False`` during re-runs: only the poison applies)."""
         if self.poisoned and not self.poisoned.isdisjoint(sample_ids):
             return loss * float("nan")
-        if one_shot and self._take(InfLossFault, step):
+        if one_shot and self._take(InfLossFault, step, micro=micro):
             return loss + float("inf")
         return loss
 
@@ -168,9 +175,9 @@ class FaultInjector:
                 return True
         return False
 
-    def grad_fault(self, step: int) -> bool:
-        """True when a NaN must be written into a gradient after backward."""
-        return self._take(NanGradFault, step)
+    def grad_fault(self, step: int, micro: int = 0) -> bool:
+        """True when a NaN must be written into a gradient of this micro-batch."""
+        return self._take(NanGradFault, step, micro=micro)
 
     def process_faults(self, step: int) -> None:
         """``crash``: die the way an OOM kill or a segfault does (SIGKILL, no cleanup).

@@ -15,6 +15,7 @@ who calls whom.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 from orchestrator.adjust import LRAdjuster
-from orchestrator.check import StepCheck
+from orchestrator.check import Checked, StepCheck
 from orchestrator.comm import Comm
 from orchestrator.cursor import DataCursor
 from orchestrator.durable import DurableTier
@@ -67,6 +68,9 @@ class Guard:
             torch.distributed is initialized, else single-process).
         run_dir: journal, ledger and fault memory; default $ORCHESTRATOR_RUN_DIR, else a fresh
             ``./runs/<time>-<pid>`` chosen by rank 0.
+        grad_accum_steps: micro-batches per optimizer step: one batch each, ``guard.step``
+            returns ``"accumulate"`` until the last (the only one that communicates); each
+            loss is divided by it, as DeepSpeed does (whose config sets it instead).
 
     Raises:
         PolicyError: the policy cannot be met here (e.g. not enough host memory for the ring).
@@ -83,10 +87,13 @@ class Guard:
         engine: Any = None,
         process_group: dist.ProcessGroup | None = None,
         run_dir: str | None = None,
+        grad_accum_steps: int | None = None,
     ) -> None:
         self.policy = p = policy if policy is not None else load_policy()
         self.comm = comm = Comm(process_group)
-        self.engine: Engine = engine_for(model, optimizer, scheduler, scaler, engine)
+        self.engine: Engine = engine_for(
+            model, optimizer, scheduler, scaler, engine, grad_accum_steps
+        )
         self.engine.check_policy(p)
         self.run_dir = resolve_run_dir(comm, run_dir)
         self.attempt = int(os.environ.get(ENV_ATTEMPT, "0"))
@@ -107,18 +114,24 @@ class Guard:
             self.run_dir, comm.global_rank, self.attempt, p.supervisor.heartbeat_interval_s
         )
         self.keeper = StateKeeper(
-            p, comm, self.engine, self.ring, self.durable, self.heartbeat, self._decide
+            p,
+            comm,
+            self.engine,
+            self.ring,
+            self.durable,
+            cursor=self.cursor,
+            adjuster=self.adjuster,
+            heartbeat=self.heartbeat,
+            decide=self._decide,
         )
-        self.check = StepCheck(p, comm, self.engine, self.durable, self.heartbeat)
-        # The step being run: phase idle -> batch -> backward -> stepped, its micro-batches
-        # so far (gradient accumulation), the ids of the batch and the loss it checks.
-        self._phase = "idle"
-        self._micro = 0
+        self.check = StepCheck(p, comm, self.engine, self.durable, self.heartbeat, self._decide)
+        # The step being run: phase (idle, batch, backward, stepped), micro-batches so far.
+        self._phase, self._micro = "idle", 0
         self._cur_ids: list[int] = []
         self._loss: torch.Tensor | None = None
         self._given: torch.Tensor | None = None  # the tensor the loop gave to backward
-        self._resumed = False
-
+        self._resumed = False  # batches() resumed (or found nothing to resume from)
+        self._checked: Checked | None = None  # the last step's check, as every rank saw it
         check_memory(p, comm, self.engine)
         self.metrics = Metrics(p.metrics, self.run_dir, self.attempt, comm.rank == 0)
         self.faults.install_module_faults(
@@ -153,7 +166,7 @@ class Guard:
             recovery=self.recovery,
             cursor=self.cursor,
         )
-        self.lifecycle.start(quarantined=len(in_ledger))
+        self.lifecycle.start(len(in_ledger), lambda: self.global_step)
 
     # ------------------------------------------------------------------ public API ----
     @property
@@ -163,6 +176,23 @@ class Guard:
     @property
     def rollbacks(self) -> int:
         return self.recovery.rollbacks
+
+    @property
+    def lr(self) -> float | None:
+        """The effective LR of the next step (first parameter group): the scheduler's value,
+        which ``param_groups`` show, times the Guard's multiplier after an incident."""
+        lr = self.engine.lr()
+        return None if lr is None else lr * self.adjuster.multiplier()
+
+    @property
+    def loss(self) -> float | None:
+        """The global mean loss of the last checked step (no extra sync; None before one)."""
+        return self._checked.loss if self._checked is not None else None
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last checked step, before any clipping."""
+        return self._checked.grad_norm if self._checked is not None else None
 
     @property
     def quarantined(self) -> frozenset[int]:
@@ -189,13 +219,10 @@ class Guard:
         self.cursor.check_loader(loader)
         if not self._resumed:
             self._resumed = True
-            g = self.keeper.resume() if self.policy.persist.resume else None
-            if g is not None:
-                self.global_step = int(g["step"])
-                self.cursor.rewind(self.global_step, (int(g["epoch"]), int(g["offset"])))
-                self.adjuster.load_state_dict(g["adjust"])
+            step = self.keeper.resume() if self.policy.persist.resume else None
+            self.global_step = self.global_step if step is None else step
         if not self.ring.snapshots():
-            self.keeper.capture(self._guard_state(), initial=True)
+            self.keeper.capture(self.global_step, initial=True)
         every = self.policy.snapshot.every_steps
         while True:
             if self.investigation.active:
@@ -210,23 +237,25 @@ class Guard:
             self.cursor.open(loader, self.recovery.ledger.url)
             step = self.global_step
             if self._micro == 0 and step % every == 0 and not self.ring.has(step):
-                self.keeper.capture(self._guard_state())
+                self.keeper.capture(step)
             fetched = self.cursor.fetch()
             if fetched is None:
                 continue  # end of an epoch
             self._begin_batch(fetched[0])
-            yield fetched[1]
+            last = self._micro + 1 >= self.engine.micro_steps_per_step
+            with contextlib.nullcontext() if last else self.engine.no_sync():
+                yield fetched[1]  # a micro-batch before the last: no communication
             self._end_batch()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward pass of this step's loss. Must be called once per step, before step()."""
         if self._phase != "batch":
-            raise UsageError(
-                f"[rank {self.comm.global_rank} step {self.global_step}] guard.backward was called "
+            raise self._misuse(
+                "guard.backward was called "
                 + (
                     "twice for one batch: call guard.backward and guard.step once per batch "
-                    "(gradient accumulation works with DeepSpeed's gradient_accumulation_steps, "
-                    "one batch per micro-step; not yet with plain PyTorch or FSDP)"
+                    "(for gradient accumulation pass Guard(grad_accum_steps=N) and run one "
+                    "batch per micro-batch; with DeepSpeed its gradient_accumulation_steps)"
                     if self._phase == "backward"
                     else "outside a guard.batches iteration"
                 )
@@ -234,7 +263,8 @@ class Guard:
         self._given = loss
         real = not self.investigation.active
         self.heartbeat.enter("backward")
-        loss = self.faults.on_loss(loss, self.global_step, self._cur_ids, one_shot=real)
+        micro = self._micro if real else 0
+        loss = self.faults.on_loss(loss, self.global_step, self._cur_ids, real, micro)
         detached = loss.detach()
         if real and self._micro > 0 and self._loss is not None:
             self._loss = self._loss + detached  # gradient accumulation: checked as the mean
@@ -243,7 +273,7 @@ class Guard:
         self._phase = "backward"
         if not real and not self.investigation.needs_backward:
             return  # a re-run judged by its loss alone needs no gradients
-        self.engine.backward(loss, poison=real and self.faults.grad_fault(self.global_step))
+        self.engine.backward(loss, real and self.faults.grad_fault(self.global_step, micro))
 
     def step(self, loss: torch.Tensor | None = None) -> str:
         """Finite check, then commit or the incident pipeline. Must follow backward().
@@ -264,14 +294,11 @@ class Guard:
                 this step was written (exit code 73 when uncaught).
         """
         if self._phase != "backward":
-            raise UsageError(
-                f"[rank {self.comm.global_rank} step {self.global_step}] guard.step needs "
-                "guard.backward(loss) first, once per step"
-            )
+            raise self._misuse("guard.step needs guard.backward(loss) first, once per step")
         if loss is not None and loss is not self._given:
-            raise UsageError(
-                f"[rank {self.comm.global_rank} step {self.global_step}] guard.step(loss) got "
-                "another tensor than guard.backward: pass the same loss, or call guard.step()"
+            raise self._misuse(
+                "guard.step(loss) got another tensor than guard.backward: pass the same loss, "
+                "or call guard.step()"
             )
         self._phase, self._given = "stepped", None
         assert self._loss is not None
@@ -287,15 +314,14 @@ class Guard:
         """Finish the run: persist its final state (``persist`` and between steps only),
         stop the writer, journal the end. Safe to call twice."""
         between_steps = self._phase == "idle" and self.recovery.open is None
-        final = self._guard_state if between_steps and self._resumed else None
-        self.lifecycle.close(self.global_step, persist, final)
+        self.lifecycle.close(self.global_step, persist, between_steps and self._resumed)
+        self.engine.release()
 
     def __enter__(self) -> Guard:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        # An error mid-step leaves no state worth persisting (and other ranks may be
-        # blocked in a collective): only a clean exit persists.
+        # An error mid-step leaves nothing worth persisting: only a clean exit persists.
         self.close(persist=exc is None or isinstance(exc, RunStop))
 
     # ------------------------------------------------------------------ the step -------
@@ -305,9 +331,8 @@ class Guard:
 
     def _end_batch(self) -> None:
         if self._phase != "stepped":
-            raise UsageError(
-                f"[rank {self.comm.global_rank} step {self.global_step}] the loop body must call "
-                "guard.backward(loss) and guard.step() once for every batch"
+            raise self._misuse(
+                "the loop body must call guard.backward(loss) and guard.step() once per batch"
             )
         self._phase = "idle"
 
@@ -326,26 +351,19 @@ class Guard:
         self.faults.process_faults(self.global_step)
         grads = self.engine.judge(self.adjuster.multiplier())
         loss = self._loss if gas == 1 else self._loss / gas
-        c = self.check.run(self.global_step, loss, grads, self.lifecycle.signals.requested)
+        c = self._checked = self.check.run(
+            self.global_step, loss, grads, self.lifecycle.signals.requested
+        )
         if c.reason is None:
             outcome = self._commit(OVERFLOW_SKIP if c.overflow else COMMIT, c.loss, c.grad_norm)
         else:
-            inc = self.recovery.open_incident(
-                self.global_step, c.reason, c.loss, c.grad_norm, self._loss
-            )
-            if self.investigation.reruns and c.reason.startswith("nonfinite"):
-                self.investigation.start(
-                    inc,
-                    self.cursor.step_ids,
-                    self.recovery.step_samples,
-                    self.recovery.previous_step,
-                )
-            else:
-                self._rolled_back(self.recovery.act_uninvestigated())
+            to = self.recovery.on_incident(self.global_step, c, self._loss, self.investigation)
+            if to is not None:
+                self._rolled_back(to)
             outcome = INCIDENT
         if c.stop and not self.investigation.active and self.recovery.open is None:
             # Some rank was asked to stop: all stop here, together.
-            self.lifecycle.preempt(self.global_step, self._guard_state)
+            self.lifecycle.preempt(self.global_step)
         return outcome
 
     def _commit(self, outcome: str, loss: float, grad_norm: float) -> str:
@@ -356,7 +374,7 @@ class Guard:
             coef = max_norm / (grad_norm + 1e-6)
         self.engine.commit(self.adjuster.multiplier(), coef)
         low = self.metrics.after_step(
-            self.global_step, outcome, loss, grad_norm, self._lr, self.engine.loss_scale
+            self.global_step, outcome, loss, grad_norm, lambda: self.lr, self.engine.loss_scale
         )
         if low is not None:
             self._event("update_ratio_low", **low)
@@ -370,27 +388,13 @@ class Guard:
             self._event("adjust", phase=phase, lr_multiplier=self.adjuster.multiplier())
         return outcome
 
-    def _lr(self) -> float | None:
-        """The LR the step ran with: the scheduler's times the Guard's multiplier."""
-        lr = self.engine.lr()
-        return None if lr is None else lr * self.adjuster.multiplier()
-
     def _rolled_back(self, step: int) -> None:
         self.global_step, self._micro = step, 0
 
-    # ------------------------------------------------------------------ state ----------
-    def _guard_state(self) -> dict[str, Any]:
-        """Counters and data position saved with every snapshot. The position counts samples
-        of the unfiltered order, so it holds at any world size and batch size."""
-        epoch, offset = self.cursor.pos
-        return {
-            "step": self.global_step,
-            "epoch": epoch,
-            "offset": offset,
-            "adjust": self.adjuster.state_dict(),
-        }
-
     # ------------------------------------------------------------------ helpers --------
+    def _misuse(self, what: str) -> UsageError:
+        return UsageError(f"[rank {self.comm.global_rank} step {self.global_step}] {what}")
+
     def _event(self, kind: str, **details: Any) -> None:
         """Journal a collective decision once (rank 0 of the group), at the current step."""
         self._decide(kind, self.global_step, **details)

@@ -6,11 +6,13 @@ every snapshot under the ``guard`` key.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
+from orchestrator.adjust import LRAdjuster
 from orchestrator.comm import Comm
+from orchestrator.cursor import DataCursor
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine
 from orchestrator.errors import PersistError
@@ -18,6 +20,8 @@ from orchestrator.heartbeat import Heartbeat
 from orchestrator.journal import Decisions
 from orchestrator.policy import Policy
 from orchestrator.snapshot import Snapshot, SnapshotRing
+
+logger = logging.getLogger(__name__)
 
 
 class StateKeeper:
@@ -28,19 +32,33 @@ class StateKeeper:
         engine: Engine,
         ring: SnapshotRing,
         durable: DurableTier,
+        *,
+        cursor: DataCursor,
+        adjuster: LRAdjuster,
         heartbeat: Heartbeat,
         decide: Decisions,
     ) -> None:
         self.policy, self.comm, self.engine, self.ring = policy, comm, engine, ring
-        self.durable, self.heartbeat, self.decide = durable, heartbeat, decide
+        self.durable, self.cursor, self.adjuster = durable, cursor, adjuster
+        self.heartbeat, self.decide = heartbeat, decide
 
-    def capture(self, guard_state: dict[str, Any], initial: bool = False) -> Snapshot | None:
-        """Copy the state into the ring (asynchronously where the device allows); the
-        starting state (``initial``) is trusted as is, so it is sealed at once."""
+    def guard_state(self, step: int) -> dict[str, Any]:
+        """Counters and data position saved with every snapshot. The position counts samples
+        of the unfiltered order, so it holds at any world size and batch size."""
+        epoch, offset = self.cursor.pos
+        return {
+            "step": step,
+            "epoch": epoch,
+            "offset": offset,
+            "adjust": self.adjuster.state_dict(),
+        }
+
+    def capture(self, step: int, initial: bool = False) -> Snapshot | None:
+        """Copy the state at ``step`` into the ring (asynchronously where the device allows);
+        the starting state (``initial``) is trusted as is, so it is sealed at once."""
         t0 = time.perf_counter()
-        step = int(guard_state["step"])
         state = self.engine.state()
-        state["guard"] = guard_state
+        state["guard"] = self.guard_state(step)
         snap = self.ring.capture(step, state)
         if snap is None:
             # Every slot is either the newest sealed one or still being persisted.
@@ -71,9 +89,7 @@ class StateKeeper:
         for snap in self.ring.seal_through(step, self.policy.snapshot.seal_after_steps):
             self.durable.on_sealed(snap, rollbacks)
 
-    def persist_now(
-        self, guard_state: Callable[[], dict[str, Any]], rollbacks: int, phase: str
-    ) -> bool:
+    def persist_now(self, step: int, rollbacks: int, phase: str) -> bool:
         """Snapshot the current state and write it to durable storage, waiting for it
         (bounded by ``persist.commit_timeout_s``, and by ``supervisor.grace_s`` when
         preempting; the heartbeat says ``phase`` meanwhile). True if it was written."""
@@ -81,18 +97,17 @@ class StateKeeper:
         timeout_s = p.persist.commit_timeout_s
         if phase == "preempting":
             timeout_s = min(p.supervisor.grace_s, timeout_s)
-        step = int(guard_state()["step"])
         return self.durable.persist_now(
-            lambda: self.capture(guard_state()),
+            lambda: self.capture(step),
             rollbacks,
             timeout_s=timeout_s,
             beat=lambda: self.heartbeat.beat(step, phase=phase, force=True),
         )
 
-    def resume(self) -> dict[str, Any] | None:
-        """Load the newest valid durable snapshot (collective) into the live state and make
-        it the ring's first, sealed, snapshot. Returns its ``guard`` state, or None when
-        there is nothing to resume from.
+    def resume(self) -> int | None:
+        """Load the newest valid durable snapshot (collective) into the live state (engine,
+        data position, LR adjuster) and make it the ring's first, sealed, snapshot. Returns
+        its step, or None when there is nothing to resume from.
 
         Raises:
             PersistError: a snapshot was found but does not fit this model or optimizer.
@@ -115,6 +130,8 @@ class StateKeeper:
                 "Resume with the model it was written by, or set persist.resume: false (or "
                 "another persist.url) to start from scratch"
             ) from err
+        self.cursor.rewind(step, (int(g["epoch"]), int(g["offset"])))
+        self.adjuster.load_state_dict(g["adjust"])
         self.durable.invalidate_after(step)
         self.decide(
             "resume",
@@ -127,4 +144,19 @@ class StateKeeper:
             epoch=int(g["epoch"]),
             offset=int(g["offset"]),
         )
-        return dict(g)
+        if self.comm.rank == 0:
+            mult = self.adjuster.multiplier()
+            logger.warning(
+                "RESUMED at step %d from the %s snapshot %s (saved at world size %s). From the "
+                "snapshot: model, optimizer, scheduler%s, RNG, data position (epoch %s, offset "
+                "%s)%s. To start over instead: `orchestrator launch --fresh` or another run dir",
+                step,
+                self.durable.tier_of(url),
+                url,
+                manifest["world_size"],
+                " and loss scale" if self.engine.has_loss_scaler else "",
+                g["epoch"],
+                g["offset"],
+                f", LR multiplier {mult:g}" if mult != 1.0 else "",
+            )
+        return step

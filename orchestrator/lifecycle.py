@@ -3,14 +3,18 @@ the run's start record, preemption and close."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
 import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
+import torch.distributed as dist
 import yaml
 
 from orchestrator.comm import Comm
@@ -108,6 +112,34 @@ class StopSignals:
         self._old = {}
 
 
+logger = logging.getLogger(__name__)
+_OPEN: weakref.WeakSet[Lifecycle] = weakref.WeakSet()  # started, not closed
+_STARTED = [False]  # a Guard ran in this process
+
+
+def close_forgotten() -> None:
+    """Close every run its script did not close (``atexit``, and ``exit_process``)."""
+    for lifecycle in list(_OPEN):
+        lifecycle.close_forgotten()
+
+
+def _at_exit() -> None:
+    """A script that simply returns must end as well as one that calls ``exit_process``:
+    close what it left open, then destroy the process groups while the interpreter is
+    whole. Left to interpreter finalization, a gloo worker thread that still holds the
+    last collective's tensors can need the GIL when no thread may take it any more, and
+    the finished run aborts (SIGABRT; see :func:`orchestrator.comm.exit_process`)."""
+    close_forgotten()
+    if _STARTED[0] and dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as err:  # at exit: never mask the script's own outcome
+            logger.warning("destroying the process group at exit failed: %r", err)
+
+
+atexit.register(_at_exit)
+
+
 class Lifecycle:
     """The run's start and end on this rank: the policy file and ``run_start`` record, the
     preflight health check, stop signals, preemption, and close (final durable snapshot,
@@ -139,8 +171,9 @@ class Lifecycle:
         self.decide = Decisions(journal, comm.rank == 0)
         self.signals = StopSignals()
         self.closed = False
+        self._step: Callable[[], int] = lambda: 0  # the Guard's counter, for close_forgotten
 
-    def start(self, quarantined: int) -> None:
+    def start(self, quarantined: int, step: Callable[[], int]) -> None:
         """Record the run's start; run the preflight health check if the policy asks.
 
         Raises:
@@ -163,6 +196,28 @@ class Lifecycle:
             with self.closing_on_stop(lambda: 0):
                 self.recovery.check_health("preflight", 0)
         self.signals.install()  # last: a failed start must not keep them
+        self._step = step
+        _OPEN.add(self)
+        _STARTED[0] = True
+
+    def close_forgotten(self) -> None:
+        """The script ended without ``guard.close()``: flush metrics, stop the writer and
+        journal ``run_end`` (status ``not_closed``) anyway, and say what was lost."""
+        if self.closed:
+            return
+        step = self._step()
+        if self.comm.rank == 0:
+            logger.warning(
+                "guard.close() was not called (run %s, step %d): metrics and the journal are "
+                "closed at exit, but the final durable snapshot was not written; end the "
+                "training loop with guard.close() or use `with Guard(...) as guard:`",
+                self.run_dir,
+                step,
+            )
+        try:
+            self.close(step, persist=False, status="not_closed")
+        except Exception as err:  # at exit: never mask the script's own outcome
+            logger.warning("closing the forgotten run failed: %r", err)
 
     @contextlib.contextmanager
     def closing_on_stop(self, step: Callable[[], int]) -> Iterator[None]:
@@ -173,7 +228,7 @@ class Lifecycle:
             self.close(step(), persist=False)
             raise
 
-    def preempt(self, step: int, guard_state: Callable[[], dict[str, Any]]) -> NoReturn:
+    def preempt(self, step: int) -> NoReturn:
         """Write a durable snapshot of the current state, journal, and stop. The intent is
         journaled first: a worker killed while writing was still preempted.
 
@@ -181,7 +236,7 @@ class Lifecycle:
             Preempted: always.
         """
         self.decide("preempting", step)
-        written = self.keeper.persist_now(guard_state, self.recovery.rollbacks, "preempting")
+        written = self.keeper.persist_now(step, self.recovery.rollbacks, "preempting")
         self.decide("preempted", step, persisted=written, url=self.durable.store.url)
         self.close(step, persist=False)
         raise Preempted(
@@ -190,24 +245,21 @@ class Lifecycle:
         )
 
     def close(
-        self,
-        step: int,
-        persist: bool,
-        final_state: Callable[[], dict[str, Any]] | None = None,
+        self, step: int, persist: bool, between_steps: bool = False, status: str | None = None
     ) -> None:
-        """Persist ``final_state`` (if given and ``persist``: a run that ended between
-        steps), stop the writer and checkers, journal the end. Safe to call twice."""
+        """With ``persist``, a run that ended ``between_steps`` persists its state; stop the
+        writer and checkers, journal the end. Safe to call twice."""
         if self.closed:
             return
         self.closed = True
-        finished = persist and final_state is not None
+        _OPEN.discard(self)
+        finished = persist and between_steps
         if finished:
-            assert final_state is not None
             self.heartbeat.beat(step, phase="closing", force=True)
             if step > self.durable.mark and step > 0:
                 # A finished run can be picked up (or resumed at another world size) from
                 # its last step.
-                self.keeper.persist_now(final_state, self.recovery.rollbacks, "closing")
+                self.keeper.persist_now(step, self.recovery.rollbacks, "closing")
         self.durable.close()
         self.metrics.flush()
         if self.health is not None:
@@ -225,7 +277,7 @@ class Lifecycle:
         self.decide(
             "run_end",
             step,
-            status="finished" if finished else "stopped",
+            status=status or ("finished" if finished else "stopped"),
             steps=step,
             incidents=len(self.recovery.incidents),
             rollbacks=self.recovery.rollbacks,

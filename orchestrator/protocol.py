@@ -8,6 +8,9 @@ Torch-free on purpose: the supervisor imports this (and the policy), never torch
 
 from __future__ import annotations
 
+import hashlib
+import os
+
 # --- environment: set by the supervisor, read by the Guard ---------------------------------
 ENV_RUN_DIR = "ORCHESTRATOR_RUN_DIR"  # the run directory every rank writes into
 ENV_ATTEMPT = "ORCHESTRATOR_ATTEMPT"  # the supervisor's attempt number (journaled by ranks)
@@ -30,6 +33,14 @@ POLICY_NAME = "policy.yaml"  # the resolved policy
 HEARTBEAT_DIR = "heartbeats"  # heartbeats/rank<r>.json
 ATTEMPTS_DIR = "attempts"  # attempts/<n>/ per-attempt logs (supervisor)
 SNAPSHOTS_DIR = "snapshots"  # durable snapshots (default persist.url)
+ARCHIVE_DIR = "archive"  # archive/<time>/: what earlier runs left, moved by launch --fresh
+
+
+def local_tier_key(run_dir: str) -> str:
+    """The node-local tier's directory under ``persist.local_dir`` for a run directory (one
+    per run, so runs sharing a node and its /dev/shm never mix)."""
+    return hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:12]
+
 
 # --- journal events one half writes and the other reads -------------------------------------
 # Written by the ranks; the supervisor classifies an attempt by them (torchrun masks the

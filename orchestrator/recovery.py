@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from orchestrator.adjust import LRAdjuster
+from orchestrator.check import Checked
 from orchestrator.comm import Comm
 from orchestrator.cursor import DataCursor
 from orchestrator.detect import grad_norm
@@ -28,7 +29,7 @@ from orchestrator.errors import GaveUp, Unhealthy
 from orchestrator.health import HealthChecker
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.incident import Incident
-from orchestrator.investigate import Verdict
+from orchestrator.investigate import Investigation, Verdict
 from orchestrator.journal import Decisions, Journal
 from orchestrator.logs import RankLogger
 from orchestrator.metrics import Metrics
@@ -82,6 +83,19 @@ class Recovery:
     def step_samples(self) -> int:
         """Samples of the open incident's step, every rank's."""
         return sum(len(ids) for ids in self._evidence["batch_ids"])
+
+    def on_incident(
+        self, step: int, c: Checked, loss: torch.Tensor, investigation: Investigation
+    ) -> int | None:
+        """A bad step: open the incident; start investigating a non-finite one when the
+        policy re-runs steps (None: the loop runs the re-runs next), else recover now and
+        return the step rolled back to."""
+        assert c.reason is not None
+        inc = self.open_incident(step, c.reason, c.loss, c.grad_norm, loss)
+        if investigation.reruns and c.reason.startswith("nonfinite"):
+            investigation.start(inc, self.cursor.step_ids, self.step_samples, self.previous_step)
+            return None
+        return self.act_uninvestigated()
 
     def open_incident(
         self, step: int, reason: str, gloss: float, gnorm: float, loss: torch.Tensor

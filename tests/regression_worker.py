@@ -3,8 +3,9 @@ overflows fp32 (nothing injected). One rank of the data-budget tests, under torc
 
     torchrun --nproc-per-node 2 tests/regression_worker.py --engine ddp --poison 20
 
-``--engine ddp|fsdp2|zero2`` (FSDP2 and ZeRO-2 in bf16). ``--save-final DIR`` writes each
-rank's local state as plain tensors.
+``--engine ddp|fsdp2|zero2`` (FSDP2 and ZeRO-2 in bf16). ``--accum N``: gradient
+accumulation over N micro-batches (DDP, FSDP2). ``--save-final DIR`` writes each rank's local
+state as plain tensors, and under DDP how many gradient all-reduces ran (a comm hook counts).
 """
 
 from __future__ import annotations
@@ -48,6 +49,18 @@ class NoisyRegression(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
+ALLREDUCES = [0]
+
+
+def counting_allreduce(state, bucket):  # type: ignore[no-untyped-def]
+    """DDP's own all-reduce of a gradient bucket, counted. (Unannotated: DDP checks the
+    annotations at run time, and this module's are strings.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ALLREDUCES[0] += 1
+    return allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+
 def poison_ids(n: int, count: int) -> list[int]:
     return sorted(torch.randperm(n, generator=torch.Generator().manual_seed(123))[:count].tolist())
 
@@ -61,6 +74,7 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--accum", type=int, default=None)
     ap.add_argument("--save-final")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -101,10 +115,11 @@ def main() -> int:
             module = fully_shard(model, mp_policy=mp)
         else:
             module = nn.parallel.DistributedDataParallel(model)
+            module.register_comm_hook(None, counting_allreduce)
         opt_cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
         kw.update(model=module, optimizer=opt_cls(module.parameters(), lr=args.lr))
 
-    guard = Guard(load_policy(), **kw)
+    guard = Guard(load_policy(), grad_accum_steps=args.accum, **kw)
     loader = guard.dataloader(NoisyRegression(args.samples, args.poison), args.batch_size, seed=3)
     for x, y in guard.batches(loader, max_steps=args.steps):
         if args.engine == "zero2":
@@ -128,6 +143,8 @@ def main() -> int:
             }
         os.makedirs(args.save_final, exist_ok=True)
         torch.save({**state, "step": guard.global_step}, f"{args.save_final}/rank{rank}.pt")
+        with open(f"{args.save_final}/allreduces{rank}.txt", "w") as f:
+            f.write(str(ALLREDUCES[0]))
     dist.barrier()
     return 0
 

@@ -3,7 +3,11 @@ quarantine, memory budget. Multi-rank behaviour is in test_ddp_e2e.py."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -161,3 +165,94 @@ def test_a_bad_sample_is_explained_by_data_and_keeps_the_lr(tmp_path: Path, reru
     (q,) = events(tmp_path / "run", "quarantine")
     assert q["details"]["samples"] == [37] and q["details"]["total"] == 1
     assert [e["details"]["phase"] for e in events(tmp_path / "run", "adjust")] == ["kept"]
+
+
+def _guard(tmp_path: Path, policy: dict | None = None, **kw: object) -> tuple[Guard, Any, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = Guard(
+        parse_policy(policy or {}), model=model, optimizer=opt, run_dir=str(tmp_path), **kw
+    )  # type: ignore[arg-type]
+    return guard, model, opt
+
+
+def test_an_optimizer_step_outside_the_guard_is_refused(tmp_path: Path) -> None:
+    guard, model, opt = _guard(tmp_path)
+    loader = guard.dataloader(Regression(), batch_size=4)
+    with pytest.raises(UsageError, match=r"optimizer\.step\(\) was called outside the Guard"):
+        for x, y in guard.batches(loader, max_steps=3):
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            guard.backward(loss)
+            opt.step()  # doubles every update if it went through
+    guard.close(persist=False)
+    opt.step()  # a closed Guard lets go of the optimizer
+
+
+def test_zeroed_gradients_at_the_check_are_said_once(tmp_path: Path) -> None:
+    guard, model, opt = _guard(tmp_path)
+    loader = guard.dataloader(Regression(), batch_size=4)
+    with pytest.warns(UserWarning, match="gradient norm is exactly 0.0 at step 0"):
+        for x, y in guard.batches(loader, max_steps=3):
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            guard.backward(loss)
+            opt.zero_grad()  # the loop's old habit: the check would see nothing
+            guard.step()
+    guard.close()
+    assert [e["step"] for e in events(tmp_path, "zero_gradients")] == [0]
+
+
+def test_a_scheduler_not_given_to_the_guard_is_warned_about(tmp_path: Path) -> None:
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=5)
+    with pytest.warns(UserWarning, match=r"not passed to the Guard.*Guard\(scheduler=\.\.\.\)"):
+        guard = Guard(parse_policy({}), model=model, optimizer=opt, run_dir=str(tmp_path))
+    guard.close(persist=False)
+
+
+def test_effective_lr_loss_and_grad_norm_are_readable(tmp_path: Path) -> None:
+    policy = {"adjust": {"lr_factor": 0.5}, "faults": [{"kind": "inf_loss", "step": 4}]}
+    guard, model, opt = _guard(tmp_path, policy)
+    loader = guard.dataloader(Regression(), batch_size=4)
+    assert guard.loss is None and guard.grad_norm is None and guard.lr == pytest.approx(0.1)
+    seen = []
+    for x, y in guard.batches(loader, max_steps=6):
+        loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+        guard.backward(loss)
+        if guard.step() == "commit":
+            seen.append((loss.item(), guard.loss, guard.grad_norm))
+    guard.close()
+    assert all(a == pytest.approx(b) and g is not None and g > 0 for a, b, g in seen)
+    # After the incident the LR in param_groups is the scheduler's; the effective one is cut.
+    assert opt.param_groups[0]["lr"] == 0.1 and guard.lr == pytest.approx(0.05)
+
+
+FORGETS_CLOSE = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from inproc import Regression
+from orchestrator import Guard, parse_policy
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+guard = Guard(parse_policy({{"metrics": {{"flush_every": 1000}}}}), model=model, optimizer=opt,
+              run_dir={run_dir!r})
+for x, y in guard.batches(guard.dataloader(Regression(), batch_size=4), max_steps=5):
+    guard.backward(torch.nn.functional.mse_loss(model(x).squeeze(-1), y))
+    guard.step()
+{ending}
+"""
+
+
+@pytest.mark.parametrize("ending", ["", "import orchestrator; orchestrator.exit_process(0)"])
+def test_a_forgotten_close_still_ends_the_run_record(tmp_path: Path, ending: str) -> None:
+    code = FORGETS_CLOSE.format(
+        tests=str(Path(__file__).parent), run_dir=str(tmp_path), ending=ending
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (end,) = events(tmp_path, "run_end")
+    assert end["details"]["status"] == "not_closed" and end["step"] == 5
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(row)["step"] for row in rows] == [0, 1, 2, 3, 4]  # flushed at exit
+    assert "guard.close() was not called" in r.stderr

@@ -186,3 +186,39 @@ def test_launch_half_runs_without_torch(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout
     (end,) = kinds(d, "supervisor_exit")
     assert end["details"]["exit_code"] == 0
+
+
+TINY = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from inproc import Regression
+from orchestrator import Guard, load_policy
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with Guard(load_policy(), model=model, optimizer=opt) as guard:
+    for x, y in guard.batches(guard.dataloader(Regression(), batch_size=4), max_steps=6):
+        guard.backward(torch.nn.functional.mse_loss(model(x).squeeze(-1), y))
+        guard.step()
+"""
+
+
+def test_fresh_starts_over_and_keeps_the_earlier_run(tmp_path: Path) -> None:
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY.format(tests=str(REPO / "tests")))
+    d = tmp_path / "run"
+    policy = {"persist": {"every_steps": 3}, "supervisor": FAST}
+    cmd = launch_cmd(d, policy, sys.executable, str(script))
+    assert run(cmd).returncode == 0
+    assert run(cmd).returncode == 0  # the same command again: resumes, a finished run
+    (resume,) = kinds(d, "resume")
+    assert resume["details"]["snapshot_step"] == 6
+    fresh = [*cmd[:4], "--fresh", *cmd[4:]]
+    r = run(fresh)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert not kinds(d, "resume")  # started over: no resume in the new journal
+    (end,) = kinds(d, "run_end")
+    assert end["details"]["steps"] == 6
+    (archived,) = (d / "archive").iterdir()
+    assert (archived / "journal.jsonl").exists()
+    assert (archived / "snapshots" / "step_000000006" / "COMMITTED").exists()

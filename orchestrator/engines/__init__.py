@@ -24,9 +24,13 @@ def engine_for(
     scheduler: Any,
     scaler: Any,
     engine: Any,
+    grad_accum_steps: int | None = None,
 ) -> Engine:
     """Pick the adapter for what the user passed to the Guard: DeepSpeed, FSDP1, FSDP2
-    (DTensor parameters), else plain PyTorch or DDP."""
+    (DTensor parameters), else plain PyTorch or DDP; ``grad_accum_steps`` micro-batches
+    per optimizer step (DeepSpeed: its own ``gradient_accumulation_steps``)."""
+    if grad_accum_steps is not None and grad_accum_steps < 1:
+        raise UsageError(f"grad_accum_steps={grad_accum_steps}: it must be 1 or more")
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from orchestrator.engines.deepspeed import DeepSpeedEngine, is_deepspeed_engine
@@ -44,11 +48,21 @@ def engine_for(
                 "with a DeepSpeed engine pass only engine=...: DeepSpeed owns the model, "
                 "optimizer, scheduler and loss scaler (give them to deepspeed.initialize)"
             )
-        return DeepSpeedEngine(engine)
+        ds = DeepSpeedEngine(engine)
+        if grad_accum_steps not in (None, ds.micro_steps_per_step):
+            raise UsageError(
+                f"grad_accum_steps={grad_accum_steps} but the DeepSpeed config says "
+                f"gradient_accumulation_steps={ds.micro_steps_per_step}: DeepSpeed "
+                "accumulates by its config; drop grad_accum_steps"
+            )
+        return ds
     if model is None or optimizer is None:
         raise UsageError("Guard needs model= and optimizer= (or engine= for DeepSpeed)")
+    cls = TorchEngine
     if isinstance(model, FullyShardedDataParallel):
-        return FSDP1Engine(model, optimizer, scheduler, scaler)
-    if is_fsdp2(model):
-        return FSDP2Engine(model, optimizer, scheduler, scaler)
-    return TorchEngine(model, optimizer, scheduler, scaler)
+        cls = FSDP1Engine
+    elif is_fsdp2(model):
+        cls = FSDP2Engine
+    adapter = cls(model, optimizer, scheduler, scaler)
+    adapter.micro_steps_per_step = grad_accum_steps or 1
+    return adapter

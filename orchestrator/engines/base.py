@@ -60,6 +60,7 @@ class Engine(ABC):
     _rerun_grads_local: ClassVar[bool] = True
     #: Gradients are reduced inside backward: a fault must poison them before it.
     _reduces_in_backward: ClassVar[bool] = False
+    _poison_later = False  # a poison fault waiting for a local gradient to write into
 
     @property
     def name(self) -> str:
@@ -77,17 +78,24 @@ class Engine(ABC):
 
     # --- the step (template methods) -------------------------------------------------------
     def backward(self, loss: torch.Tensor, poison: bool = False) -> None:
-        """Backward pass of ``loss`` (scaled where the engine scales); with ``poison`` (a
-        fault), a NaN lands in one local gradient before any unscaling."""
+        """Backward pass of ``loss`` (scaled where the engine scales, and by 1 /
+        ``micro_steps_per_step``); with ``poison`` (a fault), a NaN lands in one local
+        gradient before any unscaling."""
+        poison, self._poison_later = poison or self._poison_later, False
         if poison and self._reduces_in_backward:
             self._poison_grad()
         self._backward(loss)
-        if poison and not self._reduces_in_backward:
-            self._poison_grad()
+        if poison and not self._reduces_in_backward and not self._poison_grad():
+            self._poison_later = True  # no local gradient yet (between micro-batches)
 
-    def accumulate(self) -> None:
-        """A micro-batch that is not the last of its step has had its backward."""
-        raise NotImplementedError(f"{self.name} does not accumulate gradients over micro-batches")
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Around the forward and backward of a micro-batch that is not the last of its
+        step: gradients accumulate locally, with no communication."""
+        return contextlib.nullcontext()
+
+    def accumulate(self) -> None:  # noqa: B027 (a hook with a default: do nothing)
+        """A micro-batch that is not the last of its step has had its backward (its
+        gradients add up where the engine keeps them)."""
 
     def judge(self, lr_multiplier: float) -> list[torch.Tensor]:
         """Once per optimizer step: the tensors for the step's finite check (this rank's
@@ -133,7 +141,8 @@ class Engine(ABC):
     def _backward(self, loss: torch.Tensor) -> None: ...
 
     @abstractmethod
-    def _poison_grad(self) -> None: ...
+    def _poison_grad(self) -> bool:
+        """Write a NaN into one local gradient; False if there is none to write into."""
 
     @abstractmethod
     def _apply(self, lr_multiplier: float) -> None:
@@ -159,6 +168,9 @@ class Engine(ABC):
     def estimate_state_bytes(self) -> int:
         """Bytes one snapshot will take on this rank, including optimizer state that a lazy
         optimizer has not created yet."""
+
+    def release(self) -> None:  # noqa: B027 (a hook with a default: nothing to release)
+        """The run is closed: remove what the engine attached to the user's objects."""
 
     def native_files(self, step: int) -> dict[str, str]:
         """Top-level snapshot keys this rank writes in the engine's own checkpoint layout

@@ -200,6 +200,7 @@ class DeepSpeedEngine(Engine):
         self._saved_lr = []
 
     def _backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed scales by 1/gas and defers its reduction to the boundary itself.
         try:
             self.ds.backward(loss)
         finally:
@@ -207,7 +208,7 @@ class DeepSpeedEngine(Engine):
                 self._poison.remove()
                 self._poison = None
 
-    def _poison_grad(self) -> None:
+    def _poison_grad(self) -> bool:
         """A one-shot hook on the first trainable parameter puts a NaN in its gradient
         before DeepSpeed's reduction sees it."""
         param = next(p for p in self.ds.module.parameters() if p.requires_grad)
@@ -218,6 +219,7 @@ class DeepSpeedEngine(Engine):
             return grad
 
         self._poison = param.register_hook(hook)
+        return True
 
     def accumulate(self) -> None:
         self.ds.step()  # not a boundary: DeepSpeed only counts the micro-step

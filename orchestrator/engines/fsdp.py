@@ -11,6 +11,8 @@ step's all-reduce turns into the global norm (``_grads_replicated = False``).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -77,12 +79,15 @@ class FSDP2Engine(TorchEngine):
             "optim_params": [names.get(id(p)) for p in self._params()],
         }
 
-    def _poison_grad(self) -> None:
+    def _poison_grad(self) -> bool:
+        # Between micro-batches FSDP2 keeps gradients unsharded in its own buffers: none here
+        # then, and the base class retries after the next backward.
         for p in self._params():
-            if p.grad is not None:
+            if p.grad is not None and _local(p.grad).numel() > 0:
                 with torch.no_grad():
                     _local(p.grad).view(-1)[0] = float("nan")
-                return
+                return True
+        return False
 
     def grads(self) -> list[torch.Tensor]:
         self._unscale()
@@ -90,6 +95,16 @@ class FSDP2Engine(TorchEngine):
 
     def can_rerun_fp32(self) -> bool:
         return False  # the sharded state's dtype is FSDP's business
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        # Gradients accumulate unsharded in FSDP2's buffers; the last micro-batch's
+        # backward reduce-scatters the sum.
+        self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def state(self) -> dict[str, Any]:
         return {
@@ -213,6 +228,9 @@ class FSDP1Engine(TorchEngine):
 
     def can_rerun_fp32(self) -> bool:
         return False
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.model.no_sync()  # type: ignore[operator]
 
     def _module_state(self) -> dict[str, torch.Tensor]:
         named: dict[str, torch.Tensor] = dict(self.model.named_parameters())

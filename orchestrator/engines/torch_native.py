@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.diagnose import low_precision
 from orchestrator.engines.base import Engine
+from orchestrator.errors import UsageError
 from orchestrator.rng import rng_state, set_rng_state
 from orchestrator.snapshot import Snapshot
 
@@ -36,6 +38,29 @@ class TorchEngine(Engine):
         self.scheduler = scheduler
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self._unscaled = False
+        # The Guard steps the optimizer; a step it did not make would double every update,
+        # or leave the check judging zeroed gradients. Refused loudly (released at close).
+        self._applying = False
+        self._foreign = optimizer.register_step_pre_hook(self._refuse_foreign_step)
+        if scheduler is None and hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+            warnings.warn(
+                "an LR scheduler is attached to this optimizer but was not passed to the Guard: "
+                "it will not be rolled back with the model (nor stepped by the Guard); pass "
+                "Guard(scheduler=...)",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    def _refuse_foreign_step(self, *_: Any) -> None:
+        if not self._applying:
+            raise UsageError(
+                "optimizer.step() was called outside the Guard: guard.step() steps the "
+                "optimizer, the scheduler and the GradScaler and zeroes the gradients; remove "
+                "optimizer.step() (and zero_grad(), scheduler.step(), scaler.step()) from the loop"
+            )
+
+    def release(self) -> None:
+        self._foreign.remove()
 
     @property
     def has_loss_scaler(self) -> bool:
@@ -55,14 +80,21 @@ class TorchEngine(Engine):
         return low_precision(self.core)
 
     def _backward(self, loss: torch.Tensor) -> None:
+        if self.micro_steps_per_step > 1:
+            loss = loss / self.micro_steps_per_step  # the step's gradient is the mean
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def _poison_grad(self) -> None:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        # DDP decides in forward whether backward all-reduces: what DDP.no_sync() sets.
+        return self.local_grads()
+
+    def _poison_grad(self) -> bool:
         for p in self._params():
-            if p.grad is not None:
+            if p.grad is not None and p.grad.numel() > 0:
                 with torch.no_grad():
                     p.grad.view(-1)[0] = float("nan")
-                return
+                return True
+        return False
 
     def grads(self) -> list[torch.Tensor]:
         self._unscale()
@@ -86,6 +118,7 @@ class TorchEngine(Engine):
         if lr_multiplier != 1.0:
             for g in groups:
                 g["lr"] = g["lr"] * lr_multiplier
+        self._applying = True
         try:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)  # skips the update on overflow
@@ -93,6 +126,7 @@ class TorchEngine(Engine):
             else:
                 self.optimizer.step()
         finally:
+            self._applying = False
             for g, lr in zip(groups, saved, strict=True):
                 g["lr"] = lr
         self._unscaled = False
