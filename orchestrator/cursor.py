@@ -72,9 +72,16 @@ class DataCursor:
 
     def check_loader(self, loader: DataLoader[Any]) -> GuardBatchSampler:
         sampler = self.sampler
-        if sampler is None or loader.batch_sampler is not sampler:
+        if sampler is None:
             raise UsageError("guard.batches needs the DataLoader returned by guard.dataloader")
-        return self.sampler  # type: ignore[return-value]  # mypy loses the narrowing
+        ours: GuardBatchSampler = sampler
+        if loader.batch_sampler is not ours:
+            raise UsageError(
+                "guard.batches needs the DataLoader returned by guard.dataloader, not another "
+                "one (with its own sampler or batch_sampler): the Guard rewinds and quarantines "
+                "the data through that loader's sampler"
+            )
+        return ours
 
     # --- iterating ------------------------------------------------------------------------
     def open(self, loader: DataLoader[Any], ledger_url: str) -> None:

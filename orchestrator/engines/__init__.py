@@ -30,7 +30,10 @@ def engine_for(
     (DTensor parameters), else plain PyTorch or DDP; ``grad_accum_steps`` micro-batches
     per optimizer step (DeepSpeed: its own ``gradient_accumulation_steps``)."""
     if grad_accum_steps is not None and grad_accum_steps < 1:
-        raise UsageError(f"grad_accum_steps={grad_accum_steps}: it must be 1 or more")
+        raise UsageError(
+            f"Guard(grad_accum_steps={grad_accum_steps}): micro-batches per optimizer step "
+            "must be 1 or more (1, or None: no accumulation)"
+        )
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from orchestrator.engines.deepspeed import DeepSpeedEngine, is_deepspeed_engine
