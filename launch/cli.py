@@ -8,19 +8,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import sys
 import time
 import warnings
 
 from orchestrator.errors import PolicyError
-from orchestrator.policy import Policy, load_policy
+from orchestrator.lifecycle import archive_run_dir
+from orchestrator.policy import load_policy
 from orchestrator.protocol import (
-    ARCHIVE_DIR,
     ENV_POLICY,
     ENV_RUN_DIR,
     POLICY_NAME,
-    local_tier_key,
 )
 
 EXIT_INVALID = 2
@@ -99,33 +97,9 @@ def _launch(args: argparse.Namespace) -> int:
         or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     )
     if args.fresh:
-        _archive(run_dir, policy)
+        for line in archive_run_dir(run_dir, policy):
+            print(f"--fresh: {line}", file=sys.stderr)
     return Supervisor(policy, run_dir, cmd).run()
-
-
-def _archive(run_dir: str, policy: Policy) -> None:
-    """``--fresh``: move what earlier runs left in ``run_dir`` (journal, ledger, metrics,
-    snapshots, ...) to ``run_dir/archive/<time>/``, so the new run neither resumes from it
-    nor prunes its snapshots; drop the node-local copy (a cache of the durable one)."""
-    if not os.path.isdir(run_dir):
-        return
-    old = [e for e in os.listdir(run_dir) if e != ARCHIVE_DIR]
-    if old:
-        dest = os.path.join(run_dir, ARCHIVE_DIR, time.strftime("%Y%m%d-%H%M%S"))
-        os.makedirs(dest)
-        for entry in old:
-            os.rename(os.path.join(run_dir, entry), os.path.join(dest, entry))
-        print(f"--fresh: the earlier run's files are in {dest}", file=sys.stderr)
-    if policy.persist.local_dir:
-        shutil.rmtree(
-            os.path.join(policy.persist.local_dir, local_tier_key(run_dir)), ignore_errors=True
-        )
-    if policy.persist.url:
-        print(
-            f"--fresh: persist.url {policy.persist.url} is not moved; if it holds the earlier "
-            "run's snapshots the new run resumes from them: give it a new location",
-            file=sys.stderr,
-        )
 
 
 def _health(args: argparse.Namespace) -> int:

@@ -66,6 +66,17 @@ def classify(run_dir: str, rc: int, attempt: int) -> str:
     return CRASH
 
 
+def last_journaled_step(run_dir: str, attempt: int) -> int | None:
+    """The highest step the workers of ``attempt`` journaled (a fault, a snapshot, an
+    incident): a crash's step even when the last heartbeat is an interval older."""
+    steps = [
+        int(e["step"])
+        for e in read_journal(run_dir)
+        if e.get("attempt") == attempt and e.get("rank", -1) >= 0 and e.get("step") is not None
+    ]
+    return max(steps, default=None)
+
+
 def next_attempt_number(run_dir: str, host: str) -> int:
     """Attempts continue across supervisor restarts (the same command run again),
     numbered from this host's supervisor events only."""

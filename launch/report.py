@@ -10,7 +10,9 @@ only: the report works on a finished, crashed or running run alike.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import os
 import statistics
 import time
@@ -202,6 +204,16 @@ def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | No
     return "\n".join(out) + "\n"
 
 
+def metric_gaps(steps: list[int]) -> list[tuple[int, int]]:
+    """(last step before, first step after) of each stretch with no metrics rows: rows lost
+    when a process died with them buffered. A gap is a step more than twice the usual
+    spacing (metrics.every_steps) past the row before it."""
+    if len(steps) < 3:
+        return []
+    spacing = statistics.median(b - a for a, b in itertools.pairwise(steps))
+    return [(a, b) for a, b in itertools.pairwise(steps) if b - a > 2 * max(spacing, 1)]
+
+
 # --- the picture --------------------------------------------------------------------------------
 def plot(rec: RunRecord, path: str) -> None:
     import matplotlib
@@ -209,23 +221,26 @@ def plot(rec: RunRecord, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    final: dict[int, dict[str, Any]] = {}
+    final: dict[float, dict[str, Any]] = {}
     for m in rec.metrics:  # a replayed step's last record wins: the timeline kept
         final[int(m["step"])] = m
+    gaps = metric_gaps(sorted(int(s) for s in final))
+    for a, _ in gaps:  # a NaN point in each gap breaks the lines: nothing drawn through it
+        final[a + 0.5] = {}
     steps = sorted(final)
     fig, (ax_loss, ax_gn) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
-    loss = [final[s].get("loss") for s in steps]
+    loss = [final[s].get("loss", math.nan) for s in steps]
     ax_loss.plot(steps, loss, lw=1, color="tab:blue", label="loss")
     finite = [v for v in loss if v is not None and v > 0]
     if finite and max(finite) / min(finite) > 10:
         ax_loss.set_yscale("log")
     ax_loss.set_ylabel("loss")
-    lrs = [final[s].get("lr") for s in steps]
+    lrs = [final[s].get("lr", math.nan) for s in steps]
     if any(v is not None for v in lrs):
         ax_lr = ax_loss.twinx()
         ax_lr.plot(steps, lrs, lw=1, color="tab:green", alpha=0.7, label="LR")
         ax_lr.set_ylabel("LR", color="tab:green")
-    gn = [final[s].get("grad_norm") for s in steps]
+    gn = [final[s].get("grad_norm", math.nan) for s in steps]
     ax_gn.plot(steps, gn, lw=1, color="tab:gray", label="grad norm")
     if any(v is not None and v > 0 for v in gn):
         ax_gn.set_yscale("log")
@@ -234,6 +249,8 @@ def plot(rec: RunRecord, path: str) -> None:
     classes = {e["details"]["incident_step"]: e["details"]["classification"]
                for e in rec.of("diagnosis")}  # fmt: skip
     for ax in (ax_loss, ax_gn):
+        for a, b in gaps:
+            ax.axvspan(a, b, color="tab:gray", alpha=0.15, lw=0, hatch="//")
         for r in rec.of("rollback"):
             ax.axvspan(r["details"]["to_step"], r["details"]["from_step"], color="tab:red",
                        alpha=0.12, lw=0)  # fmt: skip
@@ -250,6 +267,9 @@ def plot(rec: RunRecord, path: str) -> None:
         plt.Line2D([], [], color="black", ls="--", label="restart (resumed step)"),
         plt.Line2D([], [], color="tab:blue", marker="v", ls="", label="durable snapshot"),
     ]
+    if gaps:
+        handles.append(plt.Rectangle((0, 0), 1, 1, color="tab:gray", alpha=0.15, hatch="//",
+                                     label="no metrics (lost in a crash)"))  # fmt: skip
     ax_loss.legend(handles=handles, loc="upper right", fontsize=8)
     t = totals(rec)
     fig.suptitle(

@@ -36,6 +36,7 @@ from launch.outcomes import (
     Attempt,
     classify,
     history,
+    last_journaled_step,
     next_attempt_number,
 )
 from launch.procs import descendants, describe, tee
@@ -238,9 +239,11 @@ class Supervisor:
         self._proc = None
         self._term_sent_at = None
         runtime = time.time() - started
+        journaled = last_journaled_step(self.run_dir, attempt)
+        best = max((s for s in (self._max_step, journaled) if s is not None), default=None)
         if stalled is not None:
-            return Attempt(attempt, rc, HANG, self._max_step, runtime, stalled)
-        return Attempt(attempt, rc, classify(self.run_dir, rc, attempt), self._max_step, runtime)
+            return Attempt(attempt, rc, HANG, best, runtime, stalled)
+        return Attempt(attempt, rc, classify(self.run_dir, rc, attempt), best, runtime)
 
     def _watch(
         self, proc: subprocess.Popen[bytes], attempt: int, started: float

@@ -1,177 +1,174 @@
 """The data cursor: where the run is in its data, and which samples each step ran.
 
-It owns the Guard's sampler (:class:`GuardBatchSampler`), the consumed position
-``(epoch, offset)`` (saved with every snapshot), the DataLoader iterator (remade after a
-rewind, since workers prefetch ahead of the consumed position), the sample ids and
-positions of the step being run, and those of the last committed steps (window
-quarantine). Every method is a local computation: identical on every rank because the
-sampler's order is a pure function of (seed, epoch, quarantined ids).
+It holds the data source made by ``guard.dataloader``: :class:`~orchestrator.data.
+IndexSource` (a map-style dataset on the Guard's own sampler; the position is shared by
+all ranks and every rank's samples are computed locally) or :class:`~orchestrator.stream.
+StreamSource` (an IterableDataset with sample ids, or the user's sampler, through
+torchdata's StatefulDataLoader; each rank's position is its own, and other ranks' samples
+are gathered when an incident needs them). The cursor keeps the sample ids of the step
+being run and of the last committed steps (window quarantine), and rewinds the source
+after a rollback or a resume.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
-import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import IterableDataset
 
-from orchestrator.data import GuardBatchSampler
-from orchestrator.errors import OrchestratorError, UsageError
+from orchestrator.comm import Comm
+from orchestrator.data import IndexSource
+from orchestrator.errors import UsageError
+from orchestrator.stream import StreamSource
 
-Position = tuple[int, int]  # (epoch, offset in the unfiltered order)
+Source = IndexSource | StreamSource
 
 
 class DataCursor:
-    def __init__(self, rank: int, world_size: int, quarantined: set[int], window_steps: int):
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, comm: Comm, quarantined: set[int], window_steps: int):
+        self.comm = comm
         self._from_ledger = quarantined
-        self.sampler: GuardBatchSampler | None = None
-        self.pos: Position = (0, 0)  # of the next batch
-        self._next_offset = 0  # where the batch being run ends
-        self._it: Iterator[Any] | None = None
-        self._reset = True
-        # (step, positions of its batches) of the last committed steps
-        self._recent: deque[tuple[int, list[Position]]] = deque(maxlen=max(window_steps, 0) + 1)
-        # The step being run: its micro-batches' positions and sample ids.
-        self.step_positions: list[Position] = []
+        self.source: Source | None = None
+        # (step, marks, this rank's ids) of the last committed steps
+        self._recent: deque[tuple[int, list[Any], list[int]]] = deque(
+            maxlen=max(window_steps, 0) + 1
+        )
+        # The step being run: its micro-batches' marks (positions) and this rank's ids.
+        self.step_marks: list[Any] = []
         self.step_ids: list[int] = []
 
-    def dataloader(
-        self,
-        dataset: Dataset[Any],
-        batch_size: int,
-        *,
-        shuffle: bool = True,
-        seed: int = 0,
-        collate_fn: Any = None,
-        num_workers: int = 0,
-        **loader_kwargs: Any,
-    ) -> DataLoader[Any]:
-        self.sampler = GuardBatchSampler(
-            len(dataset),  # type: ignore[arg-type]
-            batch_size,
-            rank=self.rank,
-            world_size=self.world_size,
-            seed=seed,
-            shuffle=shuffle,
-        )
-        self.sampler.quarantine(self._from_ledger)
-        # DataLoader draws its workers' base seed from this generator each time an iterator
-        # is made. Without its own generator that draw comes from the global torch RNG, and
-        # the extra iterator made after a rollback would shift every later dropout mask.
-        loader_kwargs.setdefault("generator", torch.Generator())
-        return DataLoader(
-            dataset,
-            batch_sampler=self.sampler,
-            collate_fn=collate_fn,
-            num_workers=num_workers,
-            **loader_kwargs,
-        )
+    def dataloader(self, dataset: Any, batch_size: int, **options: Any) -> Any:
+        if "batch_sampler" in options:
+            raise UsageError(
+                "guard.dataloader makes the batches: pass your sampler as sampler= (it yields "
+                "indices; the Guard batches them, skipping quarantined samples)"
+            )
+        rank, world_size = self.comm.rank, self.comm.world_size
+        quarantined = set(self._from_ledger)
+        custom = options.get("sampler") is not None or "sample_id" in options
+        if custom or isinstance(dataset, IterableDataset):
+            mine = sorted({"shuffle", "seed"} & set(options))
+            if mine:
+                raise UsageError(
+                    f"guard.dataloader({', '.join(mine)}=...) sets the Guard's own sampler; "
+                    "with your sampler or an IterableDataset, shuffle there"
+                )
+            self.source = StreamSource(
+                dataset,
+                batch_size,
+                rank=rank,
+                world_size=world_size,
+                quarantined=quarantined,
+                **options,
+            )
+        else:
+            options.pop("sampler", None)
+            self.source = IndexSource(
+                dataset,
+                batch_size,
+                rank=rank,
+                world_size=world_size,
+                quarantined=quarantined,
+                **options,
+            )
+        return self.source.loader
 
-    def check_loader(self, loader: DataLoader[Any]) -> GuardBatchSampler:
-        sampler = self.sampler
-        if sampler is None:
+    def check_loader(self, loader: Any) -> Source:
+        if self.source is None:
             raise UsageError("guard.batches needs the DataLoader returned by guard.dataloader")
-        ours: GuardBatchSampler = sampler
-        if loader.batch_sampler is not ours:
+        if loader is not self.source.loader:
             raise UsageError(
                 "guard.batches needs the DataLoader returned by guard.dataloader, not another "
                 "one (with its own sampler or batch_sampler): the Guard rewinds and quarantines "
-                "the data through that loader's sampler"
+                "the data through that loader. For your own sampler or an IterableDataset, "
+                "pass them to guard.dataloader (sampler=..., sample_id=...)"
             )
-        return ours
+        return self.source
 
     # --- iterating ------------------------------------------------------------------------
-    def open(self, loader: DataLoader[Any], ledger_url: str) -> None:
+    def open(self, loader: Any, ledger_url: str) -> None:
         """Make the iterator at the current position if there is none (or a rewind dropped
-        it), moving on to the next epoch when this one has no full batch left."""
-        sampler = self.check_loader(loader)
-        while self._it is None or self._reset:
-            if sampler.remaining_batches(*self.pos) == 0:
-                if self.pos[1] == 0:
-                    raise OrchestratorError(
-                        f"epoch {self.pos[0]} has no full batch: {len(sampler.quarantined)} "
-                        f"samples are quarantined in {ledger_url}; review the ledger or lower "
-                        "the batch size"
-                    )
-                self.pos = (self.pos[0] + 1, 0)
-                continue
-            sampler.set_position(*self.pos)
-            if loader.generator is not None:
-                # Worker base seeds become a function of the data position. Replays are
-                # bit for bit with num_workers=0, or with per-sample seeded randomness.
-                loader.generator.manual_seed(hash((sampler.seed, *self.pos)))
-            self._it, self._reset = iter(loader), False
+        it), moving on to the next epoch when this one has no batch left."""
+        self.check_loader(loader).open(ledger_url)
 
     def fetch(self) -> tuple[list[int], Any] | None:
         """The next batch of the step being run and its sample ids; None at an epoch's end
         (call :meth:`open` again)."""
-        assert self._it is not None and self.sampler is not None
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            self.pos, self._it = (self.pos[0] + 1, 0), None
+        assert self.source is not None
+        got = self.source.fetch()
+        if got is None:
             return None
-        ids, self._next_offset = self.sampler.batch_at(*self.pos)
-        self.step_positions.append(self.pos)
+        ids, batch, mark = got
+        self.step_marks.append(mark)
         self.step_ids.extend(ids)
         return ids, batch
 
     def micro_done(self) -> None:
         """A micro-batch of the step (not its last) has run: move past it."""
-        self.pos = (self.pos[0], self._next_offset)
+        assert self.source is not None
+        self.source.advance()
 
     def commit(self, step: int) -> None:
         """Step ``step`` is committed: move past its batches and remember them."""
-        self._recent.append((step, self.step_positions))
-        self.pos = (self.pos[0], self._next_offset)
+        assert self.source is not None
+        self._recent.append((step, self.step_marks, self.step_ids))
+        self.source.advance()
         self.new_step()
 
     def new_step(self) -> None:
-        self.step_positions, self.step_ids = [], []
+        self.step_marks, self.step_ids = [], []
+        if isinstance(self.source, StreamSource):
+            self.source.new_step()
 
-    def rewind(self, step: int, pos: Position) -> None:
-        """Back to ``pos``, where step ``step`` starts (a rollback or a resume). Steps from
-        ``step`` on belong to the abandoned timeline: their positions are forgotten."""
-        self.pos = pos
+    def position(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The data position: (shared by all ranks, this rank's own or None), saved with
+        every snapshot under ``guard`` and ``data``."""
+        if self.source is None:  # no dataloader yet: the start of the data
+            return {"epoch": 0, "offset": 0}, None
+        return self.source.position()
+
+    def rewind(self, step: int, shared: dict[str, Any], local: dict[str, Any] | None) -> None:
+        """Back to the position where step ``step`` starts (a rollback or a resume). Steps
+        from ``step`` on belong to the abandoned timeline: their samples are forgotten."""
+        assert self.source is not None
+        self.source.restore(shared, local)
         self.new_step()
         while self._recent and self._recent[-1][0] >= step:
             self._recent.pop()
-        self._reset = True
+
+    def rerun_batch(self, ids: list[int]) -> Any:
+        """A batch of the given samples of the step being run (an isolation re-run)."""
+        assert self.source is not None
+        return self.source.rerun_batch(ids)
 
     # --- samples --------------------------------------------------------------------------
     @property
     def quarantined(self) -> frozenset[int]:
-        return self.sampler.quarantined if self.sampler is not None else frozenset()
+        return self.source.quarantined if self.source is not None else frozenset()
 
     def quarantine(self, ids: Iterable[int]) -> None:
-        assert self.sampler is not None
-        self.sampler.quarantine(ids)
+        assert self.source is not None
+        self.source.quarantine(ids)
 
     def samples_seen(self) -> int:
-        """Distinct samples reached so far, the running step's included (the quarantine
-        budget's denominator): the position in the unfiltered order, all after an epoch."""
-        assert self.sampler is not None
-        n = self.sampler.num_samples
-        reached = max(self.pos[1], self._next_offset)  # _next_offset: 0 until a batch runs
-        return n if self.pos[0] >= 1 else max(1, min(n, reached))
+        assert self.source is not None
+        return self.source.samples_seen()
 
     def step_samples(self, ranks: list[int]) -> list[int]:
-        """The samples the given ranks ran in the step being run."""
-        assert self.sampler is not None
-        return [
-            i for p in self.step_positions for r in ranks for i in self.sampler.batch_at(*p, r)[0]
-        ]
+        """The samples the given ranks ran in the step being run (collective for a stream:
+        call it on every rank)."""
+        if isinstance(self.source, IndexSource):
+            return self.source.samples_at(self.step_marks, ranks)
+        gathered = self.comm.all_gather_object(self.step_ids)
+        return [i for r in ranks for i in gathered[r]]
 
     def window_samples(self, since_step: int) -> list[int]:
-        """Every rank's samples of the committed steps from ``since_step`` on."""
-        assert self.sampler is not None
-        return [
-            i
-            for step, positions in self._recent
-            if step >= since_step
-            for p in positions
-            for i in self.sampler.global_batch_at(*p)
-        ]
+        """Every rank's samples of the committed steps from ``since_step`` on (collective
+        for a stream)."""
+        recent = [(marks, ids) for step, marks, ids in self._recent if step >= since_step]
+        if isinstance(self.source, IndexSource):
+            return self.source.samples_at([m for marks, _ in recent for m in marks], None)
+        mine = [i for _, ids in recent for i in ids]
+        return [i for ids in self.comm.all_gather_object(mine) for i in ids]

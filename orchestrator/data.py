@@ -13,15 +13,19 @@ before t continues exactly as a run whose ledger held X from the start: only the
 after X's place in the order shift.
 
 The Guard owns the consumed position (DataLoader workers prefetch ahead) and rewinds it
-after a rollback.
+after a rollback: :class:`IndexSource` is the data source of ``guard.dataloader`` over a
+map-style dataset (orchestrator/stream.py is the one over the user's own pipeline).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from orchestrator.errors import OrchestratorError
 
 
 class GuardBatchSampler(Sampler[list[int]]):
@@ -120,3 +124,117 @@ class GuardBatchSampler(Sampler[list[int]]):
 
     def set_position(self, epoch: int, offset: int) -> None:
         self.epoch, self.offset = epoch, offset
+
+
+Position = tuple[int, int]  # (epoch, offset in the unfiltered order)
+
+
+class IndexSource:
+    """The data source of ``guard.dataloader`` over a map-style dataset: a DataLoader on
+    the Guard's sampler. Its position is shared (the same on every rank)."""
+
+    shared_position = True
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        *,
+        rank: int,
+        world_size: int,
+        quarantined: set[int],
+        shuffle: bool = True,
+        seed: int = 0,
+        collate_fn: Any = None,
+        num_workers: int = 0,
+        **loader_kwargs: Any,
+    ) -> None:
+        self.sampler = GuardBatchSampler(
+            len(dataset),  # type: ignore[arg-type]
+            batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+            shuffle=shuffle,
+        )
+        self.sampler.quarantine(quarantined)
+        # DataLoader draws its workers' base seed from this generator each time an iterator
+        # is made. Without its own generator that draw comes from the global torch RNG, and
+        # the extra iterator made after a rollback would shift every later dropout mask.
+        loader_kwargs.setdefault("generator", torch.Generator())
+        self.loader: DataLoader[Any] = DataLoader(
+            dataset,
+            batch_sampler=self.sampler,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            **loader_kwargs,
+        )
+        self.pos: Position = (0, 0)  # of the next batch
+        self._next_offset = 0  # where the batch being run ends
+        self._it: Iterator[Any] | None = None
+
+    @property
+    def quarantined(self) -> frozenset[int]:
+        return self.sampler.quarantined
+
+    def quarantine(self, ids: Iterable[int]) -> None:
+        self.sampler.quarantine(ids)
+
+    def position(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        return {"epoch": self.pos[0], "offset": self.pos[1]}, None
+
+    def restore(self, shared: dict[str, Any], local: dict[str, Any] | None) -> None:
+        self.pos = (int(shared["epoch"]), int(shared["offset"]))
+        self._it = None  # workers prefetched past it
+
+    def open(self, ledger_url: str) -> None:
+        """Make the iterator at the current position if there is none, moving on to the
+        next epoch when this one has no full batch left."""
+        sampler = self.sampler
+        while self._it is None:
+            if sampler.remaining_batches(*self.pos) == 0:
+                if self.pos[1] == 0:
+                    raise OrchestratorError(
+                        f"epoch {self.pos[0]} has no full batch: {len(sampler.quarantined)} "
+                        f"samples are quarantined in {ledger_url}; review the ledger or lower "
+                        "the batch size"
+                    )
+                self.pos = (self.pos[0] + 1, 0)
+                continue
+            sampler.set_position(*self.pos)
+            if self.loader.generator is not None:
+                # Worker base seeds become a function of the data position. Replays are
+                # bit for bit with num_workers=0, or with per-sample seeded randomness.
+                self.loader.generator.manual_seed(hash((sampler.seed, *self.pos)))
+            self._it = iter(self.loader)
+
+    def fetch(self) -> tuple[list[int], Any, Position] | None:
+        """The next batch, its ids and position; None at an epoch's end."""
+        assert self._it is not None
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.pos, self._it = (self.pos[0] + 1, 0), None
+            return None
+        ids, self._next_offset = self.sampler.batch_at(*self.pos)
+        return ids, batch, self.pos
+
+    def advance(self) -> None:
+        """Move past the batch fetched last."""
+        self.pos = (self.pos[0], self._next_offset)
+
+    def rerun_batch(self, ids: list[int]) -> Any:
+        return self.loader.collate_fn([self.loader.dataset[i] for i in ids])
+
+    def samples_at(self, positions: list[Position], ranks: list[int] | None) -> list[int]:
+        """The samples of the batches at ``positions`` of the given ranks (all: None)."""
+        if ranks is None:
+            return [i for p in positions for i in self.sampler.global_batch_at(*p)]
+        return [i for p in positions for r in ranks for i in self.sampler.batch_at(*p, r)[0]]
+
+    def samples_seen(self) -> int:
+        """Distinct samples reached so far, the running step's included (the quarantine
+        budget's denominator): the position in the unfiltered order, all after an epoch."""
+        n = self.sampler.num_samples
+        reached = max(self.pos[1], self._next_offset)  # _next_offset: 0 until a batch runs
+        return n if self.pos[0] >= 1 else max(1, min(n, reached))

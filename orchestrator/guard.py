@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from orchestrator.adjust import LRAdjuster
 from orchestrator.check import Checked, StepCheck
@@ -71,6 +71,9 @@ class Guard:
         grad_accum_steps: micro-batches per optimizer step: one batch each, ``guard.step``
             returns ``"accumulate"`` until the last (the only one that communicates); each
             loss is divided by it, as DeepSpeed does (whose config sets it instead).
+        fresh: start a new run even if ``run_dir`` holds an earlier one (its files move to
+            ``run_dir/archive/<time>/``; nothing is deleted); a torchrun restart still
+            resumes. Under ``orchestrator launch`` use ``launch --fresh``.
 
     Raises:
         PolicyError: the policy cannot be met here (e.g. not enough host memory for the ring).
@@ -88,6 +91,7 @@ class Guard:
         process_group: dist.ProcessGroup | None = None,
         run_dir: str | None = None,
         grad_accum_steps: int | None = None,
+        fresh: bool = False,
     ) -> None:
         self.policy = p = policy if policy is not None else load_policy()
         self.comm = comm = Comm(process_group)
@@ -95,7 +99,7 @@ class Guard:
             model, optimizer, scheduler, scaler, engine, grad_accum_steps
         )
         self.engine.check_policy(p)
-        self.run_dir = resolve_run_dir(comm, run_dir)
+        self.run_dir = resolve_run_dir(comm, run_dir, fresh, p)
         self.attempt = int(os.environ.get(ENV_ATTEMPT, "0"))
         self.global_step = 0  # committed steps so far = index of the next step (0-based)
         self.journal = Journal(self.run_dir, comm.global_rank, self.attempt)
@@ -106,7 +110,7 @@ class Guard:
         ledger = Ledger(p.quarantine.ledger_url or os.path.join(self.run_dir, LEDGER_NAME))
         # Rank 0 reads, every rank gets the same set: shards must never overlap.
         in_ledger = comm.broadcast_object(ledger.load() if comm.rank == 0 else None)
-        self.cursor = DataCursor(comm.rank, comm.world_size, in_ledger, p.quarantine.window_steps)
+        self.cursor = DataCursor(comm, in_ledger, p.quarantine.window_steps)
         self.durable = DurableTier(
             p, comm, self.engine, self.run_dir, self.journal, self.faults, self._event
         )
@@ -114,16 +118,9 @@ class Guard:
             self.run_dir, comm.global_rank, self.attempt, p.supervisor.heartbeat_interval_s
         )
         self.keeper = StateKeeper(
-            p,
-            comm,
-            self.engine,
-            self.ring,
-            self.durable,
-            cursor=self.cursor,
-            adjuster=self.adjuster,
-            heartbeat=self.heartbeat,
-            decide=self._decide,
-        )
+            p, comm, self.engine, self.ring, self.durable, cursor=self.cursor,
+            adjuster=self.adjuster, heartbeat=self.heartbeat, decide=self._decide,
+        )  # fmt: skip
         self.check = StepCheck(p, comm, self.engine, self.durable, self.heartbeat, self._decide)
         # The step being run: phase (idle, batch, backward, stepped), micro-batches so far.
         self._phase, self._micro = "idle", 0
@@ -140,32 +137,15 @@ class Guard:
         self.health = HealthChecker.for_policy(p, comm, self.faults, self.run_dir)
         self.investigation = Investigation(p, comm, self.engine, self._decide)
         self.recovery = Recovery(
-            p,
-            comm,
-            self.engine,
-            ring=self.ring,
-            cursor=self.cursor,
-            adjuster=self.adjuster,
-            ledger=ledger,
-            durable=self.durable,
-            metrics=self.metrics,
-            heartbeat=self.heartbeat,
-            health=self.health,
-            journal=self.journal,
-        )
+            p, comm, self.engine, ring=self.ring, cursor=self.cursor, adjuster=self.adjuster,
+            ledger=ledger, durable=self.durable, metrics=self.metrics, heartbeat=self.heartbeat,
+            health=self.health, journal=self.journal,
+        )  # fmt: skip
         self.lifecycle = Lifecycle(
-            p,
-            comm,
-            self.run_dir,
-            journal=self.journal,
-            keeper=self.keeper,
-            durable=self.durable,
-            heartbeat=self.heartbeat,
-            metrics=self.metrics,
-            health=self.health,
-            recovery=self.recovery,
-            cursor=self.cursor,
-        )
+            p, comm, self.run_dir, journal=self.journal, keeper=self.keeper, durable=self.durable,
+            heartbeat=self.heartbeat, metrics=self.metrics, health=self.health,
+            recovery=self.recovery, cursor=self.cursor,
+        )  # fmt: skip
         self.lifecycle.start(len(in_ledger), lambda: self.global_step)
 
     # ------------------------------------------------------------------ public API ----
@@ -199,18 +179,22 @@ class Guard:
         """Sample ids (dataset indices) quarantined so far, the ledger's included."""
         return self.cursor.quarantined
 
-    def dataloader(self, dataset: Dataset[Any], batch_size: int, **options: Any) -> DataLoader[Any]:
-        """A DataLoader whose batches are deterministic in (seed, epoch), sharded over the
-        group's ranks (``batch_size`` per rank), resumable, and free of quarantined samples.
+    def dataloader(self, dataset: Dataset[Any], batch_size: int, **options: Any) -> Any:
+        """The loader to give ``guard.batches``: ``batch_size`` samples per rank, resumable
+        (its position is saved with every snapshot), quarantined samples filtered out.
 
-        Options: ``shuffle=True``, ``seed=0``, ``collate_fn``, ``num_workers=0``, and any
-        other ``DataLoader`` argument but the sampler's. Sample ids are dataset indices;
-        they stay inside the Guard. The last incomplete global batch of an epoch is dropped
-        so every rank runs the same number of steps.
+        A map-style dataset gets the Guard's sampler: deterministic in (seed, epoch),
+        sharded over the group's ranks, the last incomplete global batch dropped; options
+        ``shuffle=True``, ``seed=0`` and any ``DataLoader`` argument; sample ids are the
+        dataset indices. Your own pipeline (needs torchdata) goes through its
+        ``StatefulDataLoader``: an ``IterableDataset`` with ``sample_id=`` (the key of each
+        sample's integer id, or a function of the sample) that yields this rank's samples,
+        the same number of batches on every rank; or a map-style dataset with
+        ``sampler=`` (this rank's indices, e.g. a ``DistributedSampler``). See docs/loop.md.
         """
         return self.cursor.dataloader(dataset, batch_size, **options)
 
-    def batches(self, loader: DataLoader[Any], max_steps: int) -> Iterator[Any]:
+    def batches(self, loader: Any, max_steps: int) -> Iterator[Any]:
         """Yield batches until ``max_steps`` steps are committed, rewinding after rollbacks.
 
         During an incident it may also yield sub-batches of the bad step (re-runs for
@@ -221,13 +205,14 @@ class Guard:
             self._resumed = True
             step = self.keeper.resume() if self.policy.persist.resume else None
             self.global_step = self.global_step if step is None else step
+            self.lifecycle.say_if_done(self.global_step, max_steps)
         if not self.ring.snapshots():
             self.keeper.capture(self.global_step, initial=True)
         every = self.policy.snapshot.every_steps
         while True:
             if self.investigation.active:
                 with self.investigation.rerun() as ids:
-                    batch = loader.collate_fn([loader.dataset[i] for i in ids])
+                    batch = self.cursor.rerun_batch(ids)
                     self._begin_batch(ids)
                     yield batch
                 self._end_batch()

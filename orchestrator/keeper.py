@@ -1,14 +1,13 @@
 """The state keeper: snapshots of this rank's state into the host ring, the durable
 snapshot written outside the step protocol (end of run, preemption), and the resume at
-start. The Guard hands it its own counters and data position (``guard_state``), saved with
-every snapshot under the ``guard`` key.
+start. Every snapshot holds the Guard's counters and the shared data position under the
+``guard`` key, and a user pipeline's per-rank loader state under ``data``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from orchestrator.adjust import LRAdjuster
 from orchestrator.comm import Comm
@@ -42,23 +41,18 @@ class StateKeeper:
         self.durable, self.cursor, self.adjuster = durable, cursor, adjuster
         self.heartbeat, self.decide = heartbeat, decide
 
-    def guard_state(self, step: int) -> dict[str, Any]:
-        """Counters and data position saved with every snapshot. The position counts samples
-        of the unfiltered order, so it holds at any world size and batch size."""
-        epoch, offset = self.cursor.pos
-        return {
-            "step": step,
-            "epoch": epoch,
-            "offset": offset,
-            "adjust": self.adjuster.state_dict(),
-        }
-
     def capture(self, step: int, initial: bool = False) -> Snapshot | None:
         """Copy the state at ``step`` into the ring (asynchronously where the device allows);
         the starting state (``initial``) is trusted as is, so it is sealed at once."""
         t0 = time.perf_counter()
         state = self.engine.state()
-        state["guard"] = self.guard_state(step)
+        # The Guard's counters and the data position: shared by every rank (the Guard's
+        # sampler: samples of the unfiltered order, valid at any world size), or this
+        # rank's own (a user pipeline's loader state).
+        shared, local = self.cursor.position()
+        state["guard"] = {"step": step, **shared, "adjust": self.adjuster.state_dict()}
+        if local is not None:
+            state["data"] = local
         snap = self.ring.capture(step, state)
         if snap is None:
             # Every slot is either the newest sealed one or still being persisted.
@@ -130,7 +124,8 @@ class StateKeeper:
                 "Resume with the model it was written by, or set persist.resume: false (or "
                 "another persist.url) to start from scratch"
             ) from err
-        self.cursor.rewind(step, (int(g["epoch"]), int(g["offset"])))
+        local = tree.get("data")
+        self.cursor.rewind(step, g, local)
         self.adjuster.load_state_dict(g["adjust"])
         self.durable.invalidate_after(step)
         self.decide(
@@ -141,22 +136,23 @@ class StateKeeper:
             tier=self.durable.tier_of(url),
             saved_world_size=manifest["world_size"],
             world_size=self.comm.world_size,
-            epoch=int(g["epoch"]),
-            offset=int(g["offset"]),
+            **{k: g[k] for k in ("epoch", "offset") if k in g},
+            data_position="per rank" if local is not None else "shared",
         )
         if self.comm.rank == 0:
             mult = self.adjuster.multiplier()
             logger.warning(
                 "RESUMED at step %d from the %s snapshot %s (saved at world size %s). From the "
-                "snapshot: model, optimizer, scheduler%s, RNG, data position (epoch %s, offset "
-                "%s)%s. To start over instead: `orchestrator launch --fresh` or another run dir",
+                "snapshot: model, optimizer, scheduler%s, RNG, data position (%s)%s. To start "
+                "over instead: `orchestrator launch --fresh` or another run dir",
                 step,
                 self.durable.tier_of(url),
                 url,
                 manifest["world_size"],
                 " and loss scale" if self.engine.has_loss_scaler else "",
-                g["epoch"],
-                g["offset"],
+                "the loader's state"
+                if local is not None
+                else f"epoch {g['epoch']}, offset {g['offset']}",
                 f", LR multiplier {mult:g}" if mult != 1.0 else "",
             )
         return step

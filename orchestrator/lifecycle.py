@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -21,27 +22,69 @@ from orchestrator.comm import Comm
 from orchestrator.cursor import DataCursor
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine
-from orchestrator.errors import GaveUp, PolicyError, Preempted, Unhealthy
+from orchestrator.errors import GaveUp, PolicyError, Preempted, Unhealthy, UsageError
 from orchestrator.health import HealthChecker
 from orchestrator.heartbeat import Heartbeat
-from orchestrator.journal import Decisions, Journal
+from orchestrator.journal import Decisions, Journal, read_journal
 from orchestrator.keeper import StateKeeper
 from orchestrator.metrics import Metrics
 from orchestrator.policy import Policy
-from orchestrator.protocol import ENV_RUN_DIR, POLICY_NAME
+from orchestrator.protocol import (
+    ARCHIVE_DIR,
+    ENV_ATTEMPT,
+    ENV_RUN_DIR,
+    POLICY_NAME,
+    local_tier_key,
+)
 from orchestrator.recovery import Recovery
 
 
-def resolve_run_dir(comm: Comm, run_dir: str | None) -> str:
+def resolve_run_dir(comm: Comm, run_dir: str | None, fresh: bool, policy: Policy) -> str:
     """``run_dir``, else $ORCHESTRATOR_RUN_DIR, else a fresh ``./runs/<time>-<pid>``, as
-    rank 0 of the group chooses it (ranks may see different environments or clocks)."""
+    rank 0 of the group chooses it (ranks may see different environments or clocks).
+    ``fresh``: rank 0 archives what an earlier run left there, on the first start only."""
     chosen = run_dir or os.environ.get(ENV_RUN_DIR)
     if not chosen:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         chosen = os.path.join("runs", f"{stamp}-{os.getpid()}")
     chosen = os.path.abspath(comm.broadcast_object(chosen))
+    if fresh and ENV_ATTEMPT in os.environ:
+        raise UsageError(
+            "Guard(fresh=True) under `orchestrator launch`: the supervisor owns the run "
+            "directory; start it with `orchestrator launch --fresh` instead"
+        )
+    # A restart by torchrun (--max-restarts) continues the run it restarts.
+    if fresh and comm.rank == 0 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        for line in archive_run_dir(chosen, policy):
+            logger.warning("Guard(fresh=True): %s", line)
+    comm.broadcast_object(None)  # nobody opens the journal before the archive is done
     os.makedirs(chosen, exist_ok=True)
     return chosen
+
+
+def archive_run_dir(run_dir: str, policy: Policy) -> list[str]:
+    """Start a new run in a used directory: move what earlier runs left in ``run_dir``
+    (journal, ledger, metrics, snapshots, ...) to ``run_dir/archive/<time>/``, so the new
+    run neither resumes from it nor prunes its snapshots; drop the node-local copy (a cache
+    of the durable one). Returns what to tell the user."""
+    said = []
+    old = [e for e in os.listdir(run_dir) if e != ARCHIVE_DIR] if os.path.isdir(run_dir) else []
+    if old:
+        dest = os.path.join(run_dir, ARCHIVE_DIR, time.strftime("%Y%m%d-%H%M%S"))
+        os.makedirs(dest)
+        for entry in old:
+            os.rename(os.path.join(run_dir, entry), os.path.join(dest, entry))
+        said.append(f"the earlier run's files are in {dest}")
+    if policy.persist.local_dir:
+        shutil.rmtree(
+            os.path.join(policy.persist.local_dir, local_tier_key(run_dir)), ignore_errors=True
+        )
+    if policy.persist.url:
+        said.append(
+            f"persist.url {policy.persist.url} is not moved; if it holds the earlier run's "
+            "snapshots the new run resumes from them: give it a new location"
+        )
+    return said
 
 
 def check_memory(policy: Policy, comm: Comm, engine: Engine) -> None:
@@ -173,6 +216,18 @@ class Lifecycle:
         self.closed = False
         self._step: Callable[[], int] = lambda: 0  # the Guard's counter, for close_forgotten
 
+    def say_if_done(self, step: int, max_steps: int) -> None:
+        """A run started again after it finished trains nothing: say so, on rank 0."""
+        if step >= max_steps and self.comm.rank == 0:
+            logger.warning(
+                "the run in %s is already at step %d (max_steps=%d): nothing to train. To "
+                "train further raise max_steps; to start over pass Guard(fresh=True) or "
+                "`orchestrator launch --fresh`, or use another run dir",
+                self.run_dir,
+                step,
+                max_steps,
+            )
+
     def start(self, quarantined: int, step: Callable[[], int]) -> None:
         """Record the run's start; run the preflight health check if the policy asks.
 
@@ -267,20 +322,23 @@ class Lifecycle:
         self.heartbeat.beat(step, phase="done", force=True)
         self.heartbeat.close()
         self.signals.restore()
-        summary: dict[str, Any] = {}
-        if self.cursor.sampler is not None:
+        summary: dict[str, Any] = {
+            "attempt_incidents": len(self.recovery.incidents),
+            "attempt_rollbacks": self.recovery.rollbacks,
+        }
+        if self.comm.rank == 0:  # the run's, earlier attempts' included (rank 0 journals them)
+            kinds = [e["kind"] for e in read_journal(self.run_dir)]
+            summary.update(incidents=kinds.count("incident"), rollbacks=kinds.count("rollback"))
+        if self.cursor.source is not None:
             seen = self.cursor.samples_seen()
-            summary = {
-                "samples_seen": seen,
-                "quarantined_fraction": len(self.cursor.quarantined) / seen,
-            }
+            summary.update(
+                samples_seen=seen, quarantined_fraction=len(self.cursor.quarantined) / seen
+            )
         self.decide(
             "run_end",
             step,
             status=status or ("finished" if finished else "stopped"),
             steps=step,
-            incidents=len(self.recovery.incidents),
-            rollbacks=self.recovery.rollbacks,
             quarantined=sorted(self.cursor.quarantined),
             **summary,
         )

@@ -205,7 +205,8 @@ class Recovery:
         self.engine.restore(target, scale_factor)
         g = target.materialize("guard", clone=False)
         step = int(g["step"])
-        self.cursor.rewind(step, (g["epoch"], g["offset"]))
+        data = target.materialize("data", clone=True) if "data" in target.skeleton else None
+        self.cursor.rewind(step, g, data)
         self.ring.drop_after(target.step)
         self.durable.invalidate_after(target.step)
         self.rollbacks += 1

@@ -4,14 +4,19 @@ overflows fp32 (nothing injected). One rank of the data-budget tests, under torc
     torchrun --nproc-per-node 2 tests/regression_worker.py --engine ddp --poison 20
 
 ``--engine ddp|fsdp2|zero2`` (FSDP2 and ZeRO-2 in bf16). ``--accum N``: gradient
-accumulation over N micro-batches (DDP, FSDP2). ``--save-final DIR`` writes each rank's local
-state as plain tensors, and under DDP how many gradient all-reduces ran (a comm hook counts).
+accumulation over N micro-batches (DDP, FSDP2). ``--data guard|sampler|stream``: the Guard's
+sampler (default), a ``DistributedSampler`` of the user's, or an endless ``IterableDataset``
+with sample ids (both through torchdata's StatefulDataLoader); ``--workers N`` loader workers.
+``--save-final DIR`` writes each rank's local state as plain tensors, and under DDP how many
+gradient all-reduces ran (a comm hook counts).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,36 @@ class NoisyRegression(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
+class RegressionStream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """The same samples as an endless stream of ``(x, y, id)``: each pass is a permutation
+    seeded by (3 + pass); rank r of W reads its ids r, r + W, ..., split over loader workers.
+    It keeps no state of its own: a resume replays it up to the position."""
+
+    def __init__(self, data: NoisyRegression, rank: int, world_size: int) -> None:
+        self.data, self.rank, self.world_size = data, rank, world_size
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for epoch in itertools.count():
+            ids = stream_order(len(self.data), epoch, self.rank, self.world_size)
+            for i in ids[worker::workers]:
+                x, y = self.data[i]
+                yield x, y, i
+
+
+def stream_order(n: int, epoch: int, rank: int, world_size: int) -> list[int]:
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(3 + epoch))
+    return order[rank::world_size].tolist()
+
+
+def user_sampler(n: int, rank: int) -> torch.utils.data.DistributedSampler:  # type: ignore[type-arg]
+    data = range(n)
+    return torch.utils.data.DistributedSampler(
+        data, num_replicas=2, rank=rank, shuffle=True, seed=3, drop_last=True
+    )
+
+
 ALLREDUCES = [0]
 
 
@@ -75,10 +110,17 @@ def main() -> int:
     ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--accum", type=int, default=None)
+    ap.add_argument("--data", choices=("guard", "sampler", "stream"), default="guard")
+    ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--save-final")
     ap.add_argument("--local_rank", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
+    if "RANK" not in os.environ:  # started as one plain process, not by torchrun
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -120,8 +162,18 @@ def main() -> int:
         kw.update(model=module, optimizer=opt_cls(module.parameters(), lr=args.lr))
 
     guard = Guard(load_policy(), grad_accum_steps=args.accum, **kw)
-    loader = guard.dataloader(NoisyRegression(args.samples, args.poison), args.batch_size, seed=3)
-    for x, y in guard.batches(loader, max_steps=args.steps):
+    data = NoisyRegression(args.samples, args.poison)
+    workers = {"num_workers": args.workers}
+    if args.data == "stream":
+        stream = RegressionStream(data, rank, dist.get_world_size())
+        loader = guard.dataloader(stream, args.batch_size, sample_id=2, **workers)
+    elif args.data == "sampler":
+        sampler = user_sampler(len(data), rank)
+        loader = guard.dataloader(data, args.batch_size, sampler=sampler, **workers)
+    else:
+        loader = guard.dataloader(data, args.batch_size, seed=3, **workers)
+    for batch in guard.batches(loader, max_steps=args.steps):
+        x, y = batch[0], batch[1]
         if args.engine == "zero2":
             x = x.bfloat16()  # DeepSpeed's bf16 module takes bf16 inputs (no autocast)
         loss = F.mse_loss(module(x).squeeze(-1).float(), y)

@@ -256,3 +256,33 @@ def test_a_forgotten_close_still_ends_the_run_record(tmp_path: Path, ending: str
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(row)["step"] for row in rows] == [0, 1, 2, 3, 4]  # flushed at exit
     assert "guard.close() was not called" in r.stderr
+
+
+def _train_to(guard: Guard, model: Any, steps: int) -> None:
+    for x, y in guard.batches(guard.dataloader(Regression(), batch_size=4), max_steps=steps):
+        guard.backward(torch.nn.functional.mse_loss(model(x).squeeze(-1), y))
+        guard.step()
+    guard.close()
+
+
+def test_a_finished_run_says_so_and_fresh_starts_over(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    policy = {"persist": {"every_steps": 2}}
+    guard, model, _ = _guard(tmp_path, policy)
+    _train_to(guard, model, 4)
+    guard, model, _ = _guard(tmp_path, policy)  # the same run started again
+    with caplog.at_level("WARNING", logger="orchestrator.lifecycle"):
+        _train_to(guard, model, 4)
+    assert guard.global_step == 4 and [e["step"] for e in events(tmp_path, "resume")] == [4]
+    assert "already at step 4 (max_steps=4): nothing to train" in caplog.text
+
+    guard, model, _ = _guard(tmp_path, policy, fresh=True)  # a new run in the used directory
+    assert guard.global_step == 0
+    _train_to(guard, model, 3)
+    assert (
+        not events(tmp_path, "resume") and events(tmp_path, "run_end")[0]["details"]["steps"] == 3
+    )
+    (archived,) = (tmp_path / "archive").iterdir()  # the earlier run's files, all kept
+    assert (archived / "snapshots" / "step_000000004" / "COMMITTED").exists()
+    assert len(events(archived, "run_end")) == 2

@@ -74,3 +74,21 @@ def test_update_ratio_low_is_journaled(tmp_path: Path) -> None:
     train(low, policy, steps=20)
     (event,) = events(low, "update_ratio_low")
     assert event["step"] == 4 and event["details"]["measurements"] == 3
+
+
+def test_metrics_lost_in_a_crash_are_a_gap_not_a_line(tmp_path: Path) -> None:
+    """Rows a SIGKILL lost leave a gap: the plot breaks its lines there and shades it."""
+    from launch.report import metric_gaps, write_report
+
+    assert metric_gaps([0, 1, 2, 3, 10, 11, 12]) == [(3, 10)]
+    assert metric_gaps([0, 5, 10, 40, 45, 50]) == [(10, 40)]  # metrics.every_steps: 5
+    assert metric_gaps([0, 1, 2, 3, 4]) == []
+    d = tmp_path / "run"
+    d.mkdir()
+    rows = [
+        {"step": s, "loss": 2.0 - s / 100, "grad_norm": 1.0} for s in [*range(10), *range(30, 40)]
+    ]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (d / "journal.jsonl").write_text("")
+    _, png = write_report(str(d))
+    assert png is not None and Path(png).read_bytes()[:4] == b"\x89PNG"

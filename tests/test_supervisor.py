@@ -49,6 +49,10 @@ def test_crash_is_restarted_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-3000:]
     (restart,) = kinds(d, "restart")
     assert restart["details"]["cause"] == "crash" and restart["attempt"] == 0
+    # The step the crash happened at, not the last heartbeat's (an interval older).
+    assert restart["step"] == 50
+    (end,) = [e for e in kinds(d, "attempt_end") if e["attempt"] == 0]
+    assert end["details"]["best_step"] == 50
     (resume,) = kinds(d, "resume")
     assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] in (30, 40)
     assert (d / "attempts" / "0" / "output.log").exists()

@@ -45,7 +45,7 @@ class Engine(ABC):
     #: When the optimizer step is applied relative to the finite check (module docstring).
     order: ClassVar[StepOrder] = StepOrder.JUDGE_THEN_APPLY
     #: Top-level snapshot keys that differ between ranks even when the rest is replicated.
-    rank_local_keys: ClassVar[frozenset[str]] = frozenset({"rng"})
+    rank_local_keys: ClassVar[frozenset[str]] = frozenset({"rng", "data"})
     #: Optimizer steps take this many micro-batches (gradient accumulation); the Guard
     #: checks, commits and snapshots only at the boundaries.
     micro_steps_per_step: int = 1
@@ -134,7 +134,7 @@ class Engine(ABC):
         ``holds_shared`` says whether it writes the state every rank shares."""
         if holds_shared or not self.state_replicated:
             return list(keys)
-        return sorted(self.rank_local_keys)
+        return sorted(self.rank_local_keys & set(keys))
 
     # --- hooks ----------------------------------------------------------------------------
     @abstractmethod

@@ -113,7 +113,7 @@ class DeepSpeedEngine(Engine):
     _grads_replicated = True  # the norm DeepSpeed reports is already the global one
     _rerun_grads_local = False  # gradients are reduced inside backward
     _reduces_in_backward = True
-    rank_local_keys = frozenset({"ds_engine", "ds_optim", "ds_model", "rng", "guard"})
+    rank_local_keys = frozenset({"ds_engine", "ds_optim", "ds_model", "rng", "guard", "data"})
 
     def __init__(self, ds: Any) -> None:
         check_internals(ds)

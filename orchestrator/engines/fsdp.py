@@ -62,7 +62,9 @@ class FSDP2Engine(TorchEngine):
     _rerun_grads_local = False
     can_reshard = True
     #: Every part of the state is this rank's own: each rank persists all of it.
-    rank_local_keys = frozenset({"model", "optim", "sched", "scaler", "rng", "guard", "layout"})
+    rank_local_keys = frozenset(
+        {"model", "optim", "sched", "scaler", "rng", "guard", "layout", "data"}
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -1,0 +1,292 @@
+"""Bring-your-own data: an ``IterableDataset`` whose samples carry an id, or a map-style
+dataset with the user's own sampler, through torchdata's ``StatefulDataLoader``.
+
+The loader's ``state_dict()`` is the data position saved with every snapshot (one per
+rank: a stream's position is this rank's, so it resumes at the same world size only).
+Quarantine filters by id inside the loader: the wrappers below skip quarantined ids, and
+count their position in the *unfiltered* stream (``raw``), so quarantining a sample never
+moves the position, as with the Guard's own sampler (orchestrator/data.py).
+
+Every batch comes out as ``(ids, samples, collated)``: the ids for the ledger and the
+investigation, the samples so an isolation re-run can collate any subset of the step
+(a stream cannot be indexed), the collated batch for the user's loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from torch.utils.data import Dataset, IterableDataset, Sampler, default_collate
+
+from orchestrator.errors import OrchestratorError, PersistError, UsageError
+
+_INSTALL = "pip install 'nan-orchestrator[data]' (torchdata)"
+
+
+class _Key:
+    """The id of a sample: ``sample[key]`` (a picklable callable, for loader workers)."""
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
+
+    def __call__(self, sample: Any) -> Any:
+        return sample[self.key]
+
+
+def _as_id(raw: Any, how: Any) -> int:
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise UsageError(
+            f"sample_id={how!r} gave {raw!r}, not an integer: sample ids must be integers "
+            "unique over the whole dataset (the ledger stores them)"
+        ) from None
+
+
+class _Stream(IterableDataset[tuple[int, Any]]):
+    """The user's IterableDataset as ``(id, sample)`` pairs, quarantined ids dropped.
+
+    State: the items of the unfiltered stream consumed (``raw``) and the user dataset's own
+    state when it has one (then it resumes from that, else by skipping ``raw`` items)."""
+
+    def __init__(self, dataset: IterableDataset[Any], sample_id: Any, quarantined: set[int]):
+        self.dataset, self.sample_id, self.quarantined = dataset, sample_id, quarantined
+        self.raw = 0
+        self._resume: dict[str, Any] | None = None
+
+    def _stateful(self) -> bool:
+        return hasattr(self.dataset, "state_dict") and hasattr(self.dataset, "load_state_dict")
+
+    def state_dict(self) -> dict[str, Any]:
+        inner = self.dataset.state_dict() if self._stateful() else None  # type: ignore[attr-defined]
+        return {"raw": self.raw, "inner": inner}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume = state
+
+    def __iter__(self) -> Iterator[tuple[int, Any]]:
+        resume, self._resume = self._resume, None
+        self.raw, skip = 0, 0
+        if resume is not None:
+            self.raw = int(resume["raw"])
+            if resume["inner"] is not None and self._stateful():
+                self.dataset.load_state_dict(resume["inner"])  # type: ignore[attr-defined]
+            else:
+                skip = self.raw  # no state of its own: replay the stream up to the position
+        how = getattr(self.sample_id, "key", self.sample_id)
+        for sample in self.dataset:
+            if skip:
+                skip -= 1
+                continue
+            self.raw += 1
+            ident = _as_id(self.sample_id(sample), how)
+            if ident not in self.quarantined:
+                yield ident, sample
+
+
+class _Indexed(Dataset[tuple[int, Any]]):
+    """A map-style dataset as ``(index, sample)``: the index is the sample's id."""
+
+    def __init__(self, dataset: Dataset[Any]) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        return index, self.dataset[index]
+
+
+class _SkipQuarantined(Sampler[list[int]]):
+    """Batches of ``batch_size`` indices from the user's sampler, quarantined ids skipped,
+    the last incomplete batch dropped. State: the epoch and the sampler positions consumed;
+    the sampler is told the epoch (``set_epoch``) and replayed to the position on resume."""
+
+    def __init__(self, sampler: Any, batch_size: int, quarantined: set[int]) -> None:
+        self.sampler, self.batch_size, self.quarantined = sampler, batch_size, quarantined
+        self.epoch, self.raw = -1, 0
+        self._resume: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "raw": self.raw}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume = state
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # A generator: the code below runs at the first batch, after any load_state_dict.
+        resume, self._resume = self._resume, None
+        if resume is None:
+            self.epoch, self.raw = self.epoch + 1, 0
+        else:
+            self.epoch, self.raw = int(resume["epoch"]), int(resume["raw"])
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self.epoch)
+        batch: list[int] = []
+        for pos, index in enumerate(self.sampler):
+            if pos < self.raw:
+                continue
+            if int(index) not in self.quarantined:
+                batch.append(int(index))
+            if len(batch) == self.batch_size:
+                self.raw = pos + 1
+                yield batch
+                batch = []
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size
+
+
+class _WithIds:
+    """Collate ``(id, sample)`` pairs into ``(ids, samples, collate(samples))``."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, pairs: list[tuple[int, Any]]) -> tuple[list[int], list[Any], Any]:
+        ids = [i for i, _ in pairs]
+        samples = [s for _, s in pairs]
+        return ids, samples, self.collate_fn(samples)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torchdata 0.11 warns about its own call to the deprecated ``torch.set_vital``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*set_vital", category=UserWarning)
+        yield
+
+
+class StreamSource:
+    """The data source of a user pipeline: a StatefulDataLoader the Guard builds."""
+
+    shared_position = False  # each rank's position is its own
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        *,
+        rank: int,
+        world_size: int,
+        quarantined: set[int],
+        sampler: Any = None,
+        sample_id: Any = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        **loader_kwargs: Any,
+    ) -> None:
+        try:
+            from torchdata.stateful_dataloader import StatefulDataLoader as Loader
+        except ImportError:
+            raise UsageError(
+                "an IterableDataset or your own sampler needs torchdata's StatefulDataLoader "
+                f"(its state is the data position in snapshots): {_INSTALL}"
+            ) from None
+        if loader_kwargs.get("persistent_workers"):
+            raise UsageError(
+                "guard.dataloader(persistent_workers=True) with your own pipeline: the "
+                "workers must be remade after a rollback to see the quarantine; drop it"
+            )
+        self.rank, self.world_size, self._q = rank, world_size, quarantined
+        self.batch_size = batch_size
+        self.collate_fn = collate_fn or default_collate
+        wrap = _WithIds(self.collate_fn)
+        self.loader: Any
+        if isinstance(dataset, IterableDataset):
+            if sampler is not None:
+                raise UsageError("guard.dataloader: an IterableDataset takes no sampler")
+            if sample_id is None:
+                raise UsageError(
+                    "guard.dataloader(IterableDataset) needs sample_id: the key of each "
+                    "sample's integer id (sample_id='id') or a function sample -> id; the "
+                    "Guard quarantines and re-runs samples by id"
+                )
+            get = _Key(sample_id) if isinstance(sample_id, (str, int)) else sample_id
+            stream = _Stream(dataset, get, quarantined)
+            with _quiet():
+                self.loader = Loader(
+                    stream, batch_size=batch_size, drop_last=True, collate_fn=wrap, **loader_kwargs
+                )
+        else:
+            if sample_id is not None:
+                raise UsageError(
+                    "guard.dataloader: a map-style dataset's sample ids are its indices; "
+                    "sample_id is for an IterableDataset"
+                )
+            batches = _SkipQuarantined(sampler, batch_size, quarantined)
+            with _quiet():
+                self.loader = Loader(
+                    _Indexed(dataset), batch_sampler=batches, collate_fn=wrap, **loader_kwargs
+                )
+        self._it: Iterator[Any] | None = None
+        self._fresh = False  # the iterator has yielded nothing yet
+        self._samples: dict[int, Any] = {}  # the step's samples by id, for re-runs
+        self._seen = 0  # samples this rank fetched, the running step's included
+
+    @property
+    def quarantined(self) -> frozenset[int]:
+        return frozenset(self._q)
+
+    def quarantine(self, ids: Iterable[int]) -> None:
+        # The wrappers hold this set: read live in this process; loader workers get a
+        # copy when the next iterator is made, which a rollback does after every quarantine.
+        self._q.update(int(i) for i in ids)
+
+    def position(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        local = {
+            "loader": self.loader.state_dict(),
+            "seen": self._seen,
+            "world_size": self.world_size,
+        }
+        return {}, local
+
+    def restore(self, shared: dict[str, Any], local: dict[str, Any] | None) -> None:
+        if local is None:
+            raise PersistError(
+                "this snapshot holds no data-stream position (it was written by a run that "
+                "used guard.dataloader over a map-style dataset without a sampler): resume "
+                "with that pipeline, or start a new run (launch --fresh)"
+            )
+        if int(local["world_size"]) != self.world_size:
+            raise PersistError(
+                f"the data stream's position was saved by {local['world_size']} ranks and "
+                f"cannot be re-sharded over {self.world_size}: resume at that world size"
+            )
+        self.loader.load_state_dict(local["loader"])
+        self._seen = int(local["seen"])
+        self._it = None
+
+    def open(self, ledger_url: str) -> None:
+        if self._it is None:
+            self._it, self._fresh = iter(self.loader), True
+
+    def fetch(self) -> tuple[list[int], Any, None] | None:
+        assert self._it is not None
+        try:
+            ids, samples, batch = next(self._it)
+        except StopIteration:
+            if self._fresh:  # else the next pass would end at once too: a busy loop
+                raise OrchestratorError(
+                    f"rank {self.rank}: the data yields no full batch of {self.batch_size} "
+                    f"samples{' (quarantined ones skipped)' if self._q else ''}; check the "
+                    "dataset's sharding for this rank, or lower the batch size"
+                ) from None
+            self._it = None
+            return None
+        self._fresh = False
+        self._samples.update(zip(ids, samples, strict=True))
+        self._seen += len(ids)
+        return ids, batch, None
+
+    def advance(self) -> None:
+        pass  # the loader's own state moves with every batch it yields
+
+    def new_step(self) -> None:
+        self._samples = {}  # only the running step can be re-run
+
+    def rerun_batch(self, ids: list[int]) -> Any:
+        return self.collate_fn([self._samples[i] for i in ids])
+
+    def samples_seen(self) -> int:
+        # drop_last and one batch size: every rank fetches as many samples as this one.
+        return max(1, self._seen * self.world_size)
