@@ -36,6 +36,7 @@ def train(
     dataset: Dataset | None = None,
     scaler: torch.amp.GradScaler | None = None,
     clip_by_hand: float | None = None,
+    grad_accum_steps: int | None = None,
 ) -> tuple[Guard, dict[str, Any], list[str]]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -50,6 +51,7 @@ def train(
         scheduler=sched,
         scaler=scaler,
         run_dir=str(run_dir),
+        grad_accum_steps=grad_accum_steps,
     )
     loader = guard.dataloader(dataset or Regression(), batch_size=8, seed=1)
     outcomes = []
@@ -62,7 +64,10 @@ def train(
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_by_hand)
         outcomes.append(guard.step(loss))
     guard.close()
-    return guard, {"model": model.state_dict(), "optim": opt.state_dict()}, outcomes
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    if scaler is not None:
+        state["scale"] = scaler.get_scale()
+    return guard, state, outcomes
 
 
 def events(run_dir: Path, kind: str) -> list[dict[str, Any]]:

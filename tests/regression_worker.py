@@ -3,9 +3,9 @@ overflows fp32 (nothing injected). One rank of the data-budget tests, under torc
 
     torchrun --nproc-per-node 2 tests/regression_worker.py --engine ddp --poison 20
 
-``--engine ddp|fsdp2|zero2`` (FSDP2 and ZeRO-2 in bf16). ``--accum N``: gradient
-accumulation over N micro-batches (DDP, FSDP2). ``--data guard|sampler|stream``: the Guard's
-sampler (default), a ``DistributedSampler`` of the user's, or an endless ``IterableDataset``
+``--engine ddp|fsdp1|fsdp2|zero2`` (FSDP2 and ZeRO-2 in bf16, FSDP1 in fp32). ``--accum N``:
+gradient accumulation over N micro-batches (DDP, FSDP1, FSDP2). ``--data guard|sampler|stream``:
+the Guard's sampler (default), a ``DistributedSampler`` of the user's, or an endless ``IterableDataset``
 with sample ids (both through torchdata's StatefulDataLoader); ``--workers N`` loader workers.
 ``--save-final DIR`` writes each rank's local state as plain tensors, and under DDP how many
 gradient all-reduces ran (a comm hook counts).
@@ -102,7 +102,7 @@ def poison_ids(n: int, count: int) -> list[int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--engine", choices=("ddp", "fsdp2", "zero2"), default="ddp")
+    ap.add_argument("--engine", choices=("ddp", "fsdp1", "fsdp2", "zero2"), default="ddp")
     ap.add_argument("--samples", type=int, default=4096)
     ap.add_argument("--poison", type=int, default=0)
     ap.add_argument("--steps", type=int, default=100)
@@ -155,6 +155,11 @@ def main() -> int:
                 if isinstance(layer, nn.Linear):
                     fully_shard(layer, mp_policy=mp)
             module = fully_shard(model, mp_policy=mp)
+        elif args.engine == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            # fp32: FSDP1's bf16 MixedPrecision on CPU hands AdamW bf16 gradients here.
+            module = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
         else:
             module = nn.parallel.DistributedDataParallel(model)
             module.register_comm_hook(None, counting_allreduce)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from conftest import REPO, assert_bitwise_equal, final_states, kinds, train
 from orchestrator.data import GuardBatchSampler
@@ -35,7 +36,7 @@ def sample_at(step: int, micro: int, rank: int) -> int:
     return sampler.batch_at(0, offset)[0][3]
 
 
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "fsdp1"])
 def test_a_transient_nan_in_micro_batch_3_rolls_back_bit_for_bit(
     tmp_path: Path, engine: str
 ) -> None:
@@ -80,3 +81,31 @@ def test_a_poison_sample_in_micro_batch_2_is_isolated_and_quarantined(
     assert not kinds(pre, "incident")
     for a, b in zip(final_states(pre), final_states(faulty), strict=True):
         assert_bitwise_equal(a, b, f"{engine} final")
+
+
+def test_accumulation_across_an_epoch_end_with_a_grad_scaler(tmp_path: Path) -> None:
+    """In process, accumulation of 5 with a GradScaler over a dataset that does not divide:
+    100 samples give 12 batches of 8 per epoch (4 dropped), so step 2 runs the last two
+    batches of epoch 0 and the first three of epoch 1. A NaN in step 3 rolls back to the
+    snapshot of step 2's start, in epoch 0: the replay crosses the epoch end again, and the
+    run ends bit for bit where a clean one does."""
+    from inproc import Regression, events
+    from inproc import train as train_inproc
+
+    exact = {"adjust": {"lr_factor": 1.0, "loss_scale_factor": 1.0}, "snapshot": {"every_steps": 2}}
+
+    def scaler() -> torch.amp.GradScaler:
+        return torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+    kw: dict[str, Any] = {"steps": 6, "dataset": Regression(100), "grad_accum_steps": 5}
+    _, clean, outcomes = train_inproc(tmp_path / "clean", exact, scaler=scaler(), **kw)
+    assert outcomes.count("commit") == 6 and outcomes.count("accumulate") == 6 * 4
+    fault = {"kind": "inf_loss", "step": 3, "micro": 3}
+    guard, faulty, _ = train_inproc(
+        tmp_path / "faulty", {**exact, "faults": [fault]}, scaler=scaler(), **kw
+    )
+    (inc,) = events(tmp_path / "faulty", "incident")
+    assert inc["step"] == 3 and len(inc["details"]["batch_ids"][0]) == 5 * 8
+    (rollback,) = events(tmp_path / "faulty", "rollback")
+    assert rollback["details"]["to_step"] == 2 and guard.global_step == 6
+    assert_bitwise_equal(clean, faulty, "final")

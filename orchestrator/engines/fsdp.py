@@ -247,8 +247,24 @@ class FSDP1Engine(TorchEngine):
         with torch.no_grad():
             for name, live in self._module_state().items():
                 live.copy_(saved[name])
+        self._drop_gathered()
         self.optimizer.load_state_dict(snap.materialize("optim", clone=True))
         self._restore_rest(snap, loss_scale_factor)
+
+    def _drop_gathered(self) -> None:
+        """Free every gathered (unsharded) parameter, so the next forward gathers the
+        restored shards. FSDP1 keeps the root's gathered parameters after a forward, for the
+        backward it expects; after a re-run judged by its loss alone (no backward) the next
+        forward would reuse them, the weights of before the rollback."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp._runtime_utils import _reshard  # no public equivalent
+
+        for module in FullyShardedDataParallel.fsdp_modules(self.model):
+            handle = module._handle
+            # Before FSDP's lazy init (a resume) nothing was ever gathered.
+            if handle is not None and hasattr(handle.flat_param, "_local_shard"):
+                if not handle.needs_unshard():  # its gathered copy is still allocated
+                    _reshard(module, handle, free_unsharded_flat_param=True)
 
     def estimate_state_bytes(self) -> int:
         model = sum(t.numel() * t.element_size() for t in self._module_state().values())
