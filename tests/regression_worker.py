@@ -5,8 +5,9 @@ overflows fp32 (nothing injected). One rank of the data-budget tests, under torc
 
 ``--engine ddp|fsdp1|fsdp2|zero2`` (FSDP2 and ZeRO-2 in bf16, FSDP1 in fp32). ``--accum N``:
 gradient accumulation over N micro-batches (DDP, FSDP1, FSDP2). ``--data guard|sampler|stream``:
-the Guard's sampler (default), a ``DistributedSampler`` of the user's, or an endless ``IterableDataset``
-with sample ids (both through torchdata's StatefulDataLoader); ``--workers N`` loader workers.
+the Guard's sampler (default), a ``DistributedSampler`` of the user's, or an endless
+``IterableDataset`` with sample ids (both through torchdata's StatefulDataLoader); ``--workers N``
+loader workers.
 ``--save-final DIR`` writes each rank's local state as plain tensors, and under DDP how many
 gradient all-reduces ran (a comm hook counts).
 """
