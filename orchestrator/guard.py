@@ -188,9 +188,9 @@ class Guard:
         ``shuffle=True``, ``seed=0`` and any ``DataLoader`` argument; sample ids are the
         dataset indices. Your own pipeline (needs torchdata) goes through its
         ``StatefulDataLoader``: an ``IterableDataset`` with ``sample_id=`` (the key of each
-        sample's integer id, or a function of the sample) that yields this rank's samples,
-        the same number of batches on every rank; or a map-style dataset with
-        ``sampler=`` (this rank's indices, e.g. a ``DistributedSampler``). See docs/loop.md.
+        sample's integer id, or a function of the sample) that yields this rank's samples;
+        or a map-style dataset with ``sampler=`` (this rank's indices, e.g. a
+        ``DistributedSampler``; the Guard calls its ``set_epoch``). See docs/loop.md.
         """
         return self.cursor.dataloader(dataset, batch_size, **options)
 
