@@ -13,13 +13,15 @@ import time
 import warnings
 
 from orchestrator.errors import PolicyError
-from orchestrator.lifecycle import archive_run_dir
 from orchestrator.policy import load_policy
 from orchestrator.protocol import (
     ENV_POLICY,
     ENV_RUN_DIR,
+    EXIT_LOCKED,
     POLICY_NAME,
+    node_name,
 )
+from orchestrator.rundir import archive_run_dir
 
 EXIT_INVALID = 2
 
@@ -66,6 +68,7 @@ def _snapshots(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
+    from launch.lock import Locked, SupervisorLock
     from launch.supervisor import Supervisor
 
     cmd = list(args.cmd)
@@ -96,10 +99,19 @@ def _launch(args: argparse.Namespace) -> int:
         or os.environ.get(ENV_RUN_DIR)
         or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     )
-    if args.fresh:
-        for line in archive_run_dir(run_dir, policy):
-            print(f"--fresh: {line}", file=sys.stderr)
-    return Supervisor(policy, run_dir, cmd).run()
+    lock = SupervisorLock(run_dir, node_name())
+    try:
+        lock.acquire()  # before --fresh moves anything: a running job's files stay put
+    except Locked as err:
+        print(f"orchestrator launch: {err}", file=sys.stderr)
+        return EXIT_LOCKED
+    try:
+        if args.fresh:
+            for line in archive_run_dir(run_dir, policy):
+                print(f"--fresh: {line}", file=sys.stderr)
+        return Supervisor(policy, run_dir, cmd).run()
+    finally:
+        lock.release()
 
 
 def _health(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
 from typing import IO
@@ -18,6 +19,50 @@ def describe(returncode: int, killed_by_us: bool = False) -> str:
         hint = " (the OOM killer?)" if name == "SIGKILL" else ""
         return f"killed by {name}{hint}"
     return f"exit {returncode}"
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of the launcher: the kernel SIGKILLs it when the supervisor dies, even
+    by SIGKILL (Linux ``PR_SET_PDEATHSIG``; a no-op elsewhere). The ranks watch the
+    supervisor themselves (orchestrator/lifeline.py)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
+class Handles:
+    """Processes seen under an attempt, held by pidfd (Linux): a signal sent through one
+    reaches that process or nothing, never a later process that reuses its pid."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}
+
+    def add(self, pids: set[int]) -> None:
+        """Hold the new ``pids``; let go of those that exited (loader workers come and go)."""
+        if self._fds:
+            gone, _, _ = select.select(list(self._fds.values()), [], [], 0)
+            for pid in [p for p, fd in self._fds.items() if fd in gone]:
+                os.close(self._fds.pop(pid))
+        for pid in pids - self._fds.keys():
+            try:
+                self._fds[pid] = os.pidfd_open(pid)
+            except (OSError, AttributeError):
+                continue  # gone already (or no pidfds here): nothing to signal later
+
+    def send(self, sig: int) -> None:
+        for fd in self._fds.values():
+            try:
+                signal.pidfd_send_signal(fd, sig)
+            except (OSError, AttributeError):
+                pass  # exited meanwhile
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
 
 
 def descendants(root: int) -> set[int]:

@@ -23,7 +23,6 @@ import threading
 import time
 from typing import Any
 
-import yaml
 from tenacity import wait_exponential_jitter
 
 from launch.outcomes import (
@@ -39,7 +38,7 @@ from launch.outcomes import (
     last_journaled_step,
     next_attempt_number,
 )
-from launch.procs import descendants, describe, tee
+from launch.procs import Handles, descendants, describe, die_with_parent, tee
 from orchestrator.heartbeat import progress_time, read_heartbeats, suspects
 from orchestrator.journal import Journal
 from orchestrator.policy import Policy
@@ -48,6 +47,7 @@ from orchestrator.protocol import (
     ENV_ATTEMPT,
     ENV_POLICY,
     ENV_RUN_DIR,
+    ENV_SUPERVISOR_PID,
     EVENT_ATTEMPT_END,
     EVENT_ATTEMPT_START,
     EVENT_HANG,
@@ -61,6 +61,7 @@ from orchestrator.protocol import (
     EXIT_UNHEALTHY,
     POLICY_NAME,
 )
+from orchestrator.rundir import write_policy
 
 logger = logging.getLogger(__name__)
 
@@ -75,15 +76,14 @@ class Supervisor:
         self.cmd = cmd
         os.makedirs(self.run_dir, exist_ok=True)
         self.policy_path = os.path.join(self.run_dir, POLICY_NAME)
-        with open(self.policy_path, "w", encoding="utf-8") as f:
-            yaml.safe_dump(policy.model_dump(mode="json"), f, sort_keys=False)
+        write_policy(self.policy_path, policy)
         self.host = socket.gethostname()
         self._signals = 0
         self._wake = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
         self._term_sent_at: float | None = None
         self._max_step: int | None = None  # highest step seen in the current attempt
-        self._pids: set[int] = set()  # every process seen under the current attempt
+        self._seen = Handles()  # every process seen under the current attempt
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> int:
@@ -211,10 +211,10 @@ class Supervisor:
             ENV_POLICY: self.policy_path,
             ENV_RUN_DIR: self.run_dir,
             ENV_ATTEMPT: str(attempt),
+            ENV_SUPERVISOR_PID: str(os.getpid()),
         }
         started = time.time()
         self._max_step = None
-        self._pids = set()
         with open(self._log_path(attempt), "ab") as log:
             try:
                 self._proc = proc = subprocess.Popen(
@@ -223,6 +223,7 @@ class Supervisor:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # its own process group: we signal all of it
+                    preexec_fn=die_with_parent,  # nothing outlives a SIGKILLed supervisor
                 )
             except OSError as err:  # not found, not executable: no attempt can succeed
                 self._say(f"cannot start {self.cmd[0]!r}: {err}")
@@ -250,7 +251,7 @@ class Supervisor:
     ) -> dict[int, int] | None:
         """Poll until the child exits; on a hang, stop it and return the stalled ranks."""
         while proc.poll() is None:
-            self._pids |= descendants(proc.pid)  # torchrun puts workers in new sessions
+            self._seen.add(descendants(proc.pid))  # torchrun puts workers in new sessions
             if (
                 self._term_sent_at is not None
                 and time.time() - self._term_sent_at > self.sup.grace_s
@@ -293,11 +294,8 @@ class Supervisor:
 
     def _sweep(self) -> None:
         """Kill workers the launcher left behind (SIGKILLed torchrun leaves orphans)."""
-        for pid in self._pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        self._seen.send(signal.SIGKILL)
+        self._seen.close()
 
     def _beats(self, attempt: int) -> list[dict[str, Any]]:
         beats = [
@@ -349,16 +347,12 @@ class Supervisor:
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return
-        self._pids |= descendants(proc.pid)
+        self._seen.add(descendants(proc.pid))
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
-        for pid in self._pids:
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+        self._seen.send(sig)
 
     def _log_path(self, attempt: int) -> str:
         return os.path.join(self.run_dir, ATTEMPTS_DIR, str(attempt), "output.log")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from orchestrator.protocol import (
     EXIT_CRASH_LOOP,
     EXIT_GAVE_UP,
+    EXIT_LOCKED,
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_RESTARTS_EXHAUSTED,
@@ -24,6 +25,7 @@ from orchestrator.protocol import (
 __all__ = [
     "EXIT_CRASH_LOOP",
     "EXIT_GAVE_UP",
+    "EXIT_LOCKED",
     "EXIT_OK",
     "EXIT_PREEMPTED",
     "EXIT_RESTARTS_EXHAUSTED",

@@ -7,7 +7,6 @@ import atexit
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
@@ -16,7 +15,6 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import torch.distributed as dist
-import yaml
 
 from orchestrator.comm import Comm
 from orchestrator.cursor import DataCursor
@@ -27,16 +25,16 @@ from orchestrator.health import HealthChecker
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.journal import Decisions, Journal, read_journal
 from orchestrator.keeper import StateKeeper
+from orchestrator.lifeline import watch_supervisor
 from orchestrator.metrics import Metrics
 from orchestrator.policy import Policy
 from orchestrator.protocol import (
-    ARCHIVE_DIR,
     ENV_ATTEMPT,
     ENV_RUN_DIR,
     POLICY_NAME,
-    local_tier_key,
 )
 from orchestrator.recovery import Recovery
+from orchestrator.rundir import archive_run_dir, write_policy
 
 
 def resolve_run_dir(comm: Comm, run_dir: str | None, fresh: bool, policy: Policy) -> str:
@@ -60,31 +58,6 @@ def resolve_run_dir(comm: Comm, run_dir: str | None, fresh: bool, policy: Policy
     comm.broadcast_object(None)  # nobody opens the journal before the archive is done
     os.makedirs(chosen, exist_ok=True)
     return chosen
-
-
-def archive_run_dir(run_dir: str, policy: Policy) -> list[str]:
-    """Start a new run in a used directory: move what earlier runs left in ``run_dir``
-    (journal, ledger, metrics, snapshots, ...) to ``run_dir/archive/<time>/``, so the new
-    run neither resumes from it nor prunes its snapshots; drop the node-local copy (a cache
-    of the durable one). Returns what to tell the user."""
-    said = []
-    old = [e for e in os.listdir(run_dir) if e != ARCHIVE_DIR] if os.path.isdir(run_dir) else []
-    if old:
-        dest = os.path.join(run_dir, ARCHIVE_DIR, time.strftime("%Y%m%d-%H%M%S"))
-        os.makedirs(dest)
-        for entry in old:
-            os.rename(os.path.join(run_dir, entry), os.path.join(dest, entry))
-        said.append(f"the earlier run's files are in {dest}")
-    if policy.persist.local_dir:
-        shutil.rmtree(
-            os.path.join(policy.persist.local_dir, local_tier_key(run_dir)), ignore_errors=True
-        )
-    if policy.persist.url:
-        said.append(
-            f"persist.url {policy.persist.url} is not moved; if it holds the earlier run's "
-            "snapshots the new run resumes from them: give it a new location"
-        )
-    return said
 
 
 def check_memory(policy: Policy, comm: Comm, engine: Engine) -> None:
@@ -235,9 +208,9 @@ class Lifecycle:
             Unhealthy: the preflight check failed (the run is closed).
         """
         p = self.policy
+        watch_supervisor()  # under `orchestrator launch`: end with it, never outlive it
         if self.comm.rank == 0:
-            with open(os.path.join(self.run_dir, POLICY_NAME), "w", encoding="utf-8") as f:
-                yaml.safe_dump(p.model_dump(mode="json"), f, sort_keys=False)
+            write_policy(os.path.join(self.run_dir, POLICY_NAME), p)
         self.decide(
             "run_start",
             0,

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 
 # --- environment: set by the supervisor, read by the Guard ---------------------------------
 ENV_RUN_DIR = "ORCHESTRATOR_RUN_DIR"  # the run directory every rank writes into
 ENV_ATTEMPT = "ORCHESTRATOR_ATTEMPT"  # the supervisor's attempt number (journaled by ranks)
 ENV_POLICY = "ORCHESTRATOR_POLICY"  # path of the policy YAML
+# The supervisor's pid: a rank ends itself when that process is gone (orchestrator/lifeline.py).
+ENV_SUPERVISOR_PID = "ORCHESTRATOR_SUPERVISOR_PID"
+# The node's name (default: the hostname); set it to simulate several nodes on one machine.
+ENV_NODE = "ORCHESTRATOR_NODE"
 
 # --- worker exit codes (README "Exit codes"); the supervisor classifies on them -------------
 EXIT_OK = 0
@@ -24,6 +29,7 @@ EXIT_PREEMPTED = 73  # stopped on request after a durable snapshot: requeue
 # Supervisor only (``orchestrator launch``):
 EXIT_CRASH_LOOP = 74  # attempts in a row made no progress: a bug or a broken node, not luck
 EXIT_RESTARTS_EXHAUSTED = 75  # supervisor.max_restarts spent
+EXIT_LOCKED = 76  # another supervisor runs this node of this run directory: do not requeue
 
 # --- the run directory ----------------------------------------------------------------------
 JOURNAL_NAME = "journal.jsonl"  # one event per line, from every rank and the supervisor
@@ -34,6 +40,12 @@ HEARTBEAT_DIR = "heartbeats"  # heartbeats/rank<r>.json
 ATTEMPTS_DIR = "attempts"  # attempts/<n>/ per-attempt logs (supervisor)
 SNAPSHOTS_DIR = "snapshots"  # durable snapshots (default persist.url)
 ARCHIVE_DIR = "archive"  # archive/<time>/: what earlier runs left, moved by launch --fresh
+SUPERVISORS_DIR = "supervisors"  # supervisors/<node>.lock: one supervisor per node (flock)
+
+
+def node_name() -> str:
+    """This node's name: $ORCHESTRATOR_NODE, else the hostname."""
+    return os.environ.get(ENV_NODE) or socket.gethostname()
 
 
 def local_tier_key(run_dir: str) -> str:

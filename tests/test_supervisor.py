@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import pytest
 import yaml
 
 from conftest import EXAMPLE, REPO, assert_bitwise_equal, final_states, free_port, kinds, run
-from orchestrator.errors import EXIT_CRASH_LOOP, EXIT_PREEMPTED
+from orchestrator.errors import EXIT_CRASH_LOOP, EXIT_LOCKED, EXIT_PREEMPTED
 from orchestrator.heartbeat import read_heartbeats
 
 pytestmark = pytest.mark.timeout(300)
@@ -226,3 +227,66 @@ def test_fresh_starts_over_and_keeps_the_earlier_run(tmp_path: Path) -> None:
     (archived,) = (d / "archive").iterdir()
     assert (archived / "journal.jsonl").exists()
     assert (archived / "snapshots" / "step_000000006" / "COMMITTED").exists()
+
+
+def _start(cmd: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+def _wait_for(what: str, ready: Any, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():  # bounded poll on state, not a blind sleep
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:  # a zombie (exited, not yet reaped) is not alive
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_second_supervisor_for_the_node_is_refused(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    policy = {"supervisor": {**FAST, "start_timeout_s": None}}
+    first = _start(launch_cmd(d, policy, sys.executable, "-c", "import time; time.sleep(120)"))
+    try:
+        lock = d / "supervisors" / f"{socket.gethostname()}.lock"
+        _wait_for("the first supervisor's lock", lambda: lock.exists() and lock.read_text())
+        t0 = time.monotonic()
+        second = run(launch_cmd(d, policy, sys.executable, "-c", "print('never runs')"))
+        assert second.returncode == EXIT_LOCKED and time.monotonic() - t0 < 30
+        assert str(lock) in second.stdout and f"pid {first.pid}" in second.stdout
+        assert "never runs" not in second.stdout
+        assert [e["details"]["host"] for e in kinds(d, "attempt_start")] == [socket.gethostname()]
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+
+
+def test_nothing_outlives_a_sigkilled_supervisor(tmp_path: Path) -> None:
+    """SIGKILL gives the supervisor no chance to clean up: torchrun dies by its parent-death
+    signal, the ranks by watching the supervisor's pidfd. All gone within 5 s."""
+    d = tmp_path / "run"
+    proc = _start(launch_cmd(d, BASE, *torchrun("--steps", "100000")))
+    try:
+        _wait_for("training", lambda: any(b["step"] >= 3 for b in read_heartbeats(str(d))))
+        under = leftovers(d)  # torchrun and both ranks
+        assert len(under) >= 3
+        proc.kill()  # SIGKILL, to the supervisor alone
+        proc.wait(timeout=30)
+        t0 = time.monotonic()
+        _wait_for("every worker to end", lambda: not any(map(_alive, under)), timeout_s=5)
+        assert time.monotonic() - t0 < 5
+    finally:
+        for pid in leftovers(d):
+            os.kill(pid, signal.SIGKILL)
+    lock = d / "supervisors" / f"{socket.gethostname()}.lock"
+    again = run(launch_cmd(d, BASE, sys.executable, "-c", "print('next supervisor')"))
+    assert again.returncode == 0, again.stdout  # the kernel released the dead one's lock
+    assert lock.exists()

@@ -1,0 +1,49 @@
+"""Files of the run directory written by one process and read by others, and starting a new
+run in a used one (``launch --fresh``, ``Guard(fresh=True)``). Torch-free: the supervisor
+imports it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import yaml
+
+from orchestrator.policy import Policy
+from orchestrator.protocol import ARCHIVE_DIR, SUPERVISORS_DIR, local_tier_key
+
+
+def write_policy(path: str, policy: Policy) -> None:
+    """The resolved policy as YAML, atomically: a reader (the other half, ``status``) sees
+    the old file or the new one, never half of one."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        yaml.safe_dump(policy.model_dump(mode="json"), f, sort_keys=False)
+    os.replace(tmp, path)
+
+
+def archive_run_dir(run_dir: str, policy: Policy) -> list[str]:
+    """Start a new run in a used directory: move what earlier runs left in ``run_dir``
+    (journal, ledger, metrics, snapshots, ...) to ``run_dir/archive/<time>/``, so the new
+    run neither resumes from it nor prunes its snapshots; drop the node-local copy (a cache
+    of the durable one). Returns what to tell the user."""
+    said = []
+    keep = (ARCHIVE_DIR, SUPERVISORS_DIR)  # the running supervisor's lock stays
+    old = [e for e in os.listdir(run_dir) if e not in keep] if os.path.isdir(run_dir) else []
+    if old:
+        dest = os.path.join(run_dir, ARCHIVE_DIR, time.strftime("%Y%m%d-%H%M%S"))
+        os.makedirs(dest)
+        for entry in old:
+            os.rename(os.path.join(run_dir, entry), os.path.join(dest, entry))
+        said.append(f"the earlier run's files are in {dest}")
+    if policy.persist.local_dir:
+        shutil.rmtree(
+            os.path.join(policy.persist.local_dir, local_tier_key(run_dir)), ignore_errors=True
+        )
+    if policy.persist.url:
+        said.append(
+            f"persist.url {policy.persist.url} is not moved; if it holds the earlier run's "
+            "snapshots the new run resumes from them: give it a new location"
+        )
+    return said
