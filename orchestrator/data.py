@@ -133,8 +133,6 @@ class IndexSource:
     """The data source of ``guard.dataloader`` over a map-style dataset: a DataLoader on
     the Guard's sampler. Its position is shared (the same on every rank)."""
 
-    shared_position = True
-
     def __init__(
         self,
         dataset: Dataset[Any],

@@ -160,8 +160,6 @@ def _quiet() -> Iterator[None]:
 class StreamSource:
     """The data source of a user pipeline: a StatefulDataLoader the Guard builds."""
 
-    shared_position = False  # each rank's position is its own
-
     def __init__(
         self,
         dataset: Dataset[Any],
