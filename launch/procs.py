@@ -52,12 +52,18 @@ class Handles:
             except (OSError, AttributeError):
                 continue  # gone already (or no pidfds here): nothing to signal later
 
-    def send(self, sig: int) -> None:
-        for fd in self._fds.values():
+    def send(self, sig: int, only: set[int] | None = None) -> set[int]:
+        """Signal the held processes (those in ``only``); returns the pids reached."""
+        reached = set()
+        for pid, fd in self._fds.items():
+            if only is not None and pid not in only:
+                continue
             try:
                 signal.pidfd_send_signal(fd, sig)
+                reached.add(pid)
             except (OSError, AttributeError):
                 pass  # exited meanwhile
+        return reached
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -65,7 +65,16 @@ OTHER = {
     "preempted": lambda d: (f"snapshot written: {d.get('persisted')}", "stopped, exit 73"),
     "update_ratio_low": lambda d: (f"update/weight {d.get('ratio', 0):.2g}", "warning"),
     "persist_failed": lambda d: (str(d.get("error"))[:80], "training went on"),
+    "hang": lambda d: (hang_evidence(d), f"attempt killed; stacks in {d.get('stacks')}"),
 }
+
+
+def hang_evidence(d: dict[str, Any]) -> str:
+    """Who stalled, and the culprits the stacks name (rank, host, frame), for a person."""
+    said = f"ranks {sorted(d.get('stalled_ranks') or {})} stalled"
+    for c in d.get("culprits") or []:
+        said += f"; culprit rank {c['rank']} on {c['host']} at {c['frame']}"
+    return said
 
 
 def timeline(rec: RunRecord) -> list[tuple[str, Any, str, str, str]]:

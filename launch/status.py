@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from typing import Any
 
 from orchestrator.heartbeat import progress_time, read_heartbeats
 from orchestrator.journal import quarantine_share, read_journal
@@ -70,9 +71,12 @@ def render(run_dir: str) -> str:
     return "\n".join(lines)
 
 
-def _brief(details: dict[str, object]) -> str:
+def _brief(details: dict[str, Any]) -> str:
     keep = ("reason", "cause", "returncode", "origin_ranks", "stalled_ranks", "suspects", "why")
-    return " ".join(f"{k}={details[k]}" for k in keep if k in details)
+    said = " ".join(f"{k}={details[k]}" for k in keep if k in details)
+    for c in details.get("culprits") or []:  # a hang's, named from the ranks' stacks
+        said += f" culprit=rank {c['rank']}@{c['host']} ({c['frame']})"
+    return said
 
 
 def follow(run_dir: str, interval: float = 2.0) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 
 from tenacity import wait_exponential_jitter
 
+from launch.hangs import collect
 from launch.outcomes import (
     CRASH,
     GAVE_UP,
@@ -62,6 +63,7 @@ from orchestrator.protocol import (
     POLICY_NAME,
 )
 from orchestrator.rundir import write_policy
+from orchestrator.stacks import STACK_SIGNAL
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +263,7 @@ class Supervisor:
             stalled = self._stalled(beats, started)
             if stalled is not None:
                 behind = suspects(beats)
+                stacks, named = collect(self.run_dir, attempt, beats, self._ask_stacks)
                 self.journal.write(
                     EVENT_HANG,
                     max(stalled.values(), default=-1),
@@ -269,6 +272,9 @@ class Supervisor:
                         # Where each rank stood; the ones behind the rest are the suspects.
                         "phases": {int(b["rank"]): b.get("phase") for b in beats},
                         "suspects": behind,
+                        # From the stacks: the ranks not inside the collective others wait in.
+                        "culprits": named,
+                        "stacks": stacks,
                         "hang_timeout_s": self.sup.hang_timeout_s,
                         "host": self.host,
                         "log": self._log_path(attempt),
@@ -278,6 +284,11 @@ class Supervisor:
                     f"ranks {sorted(stalled)} made no progress for "
                     f"{self.sup.hang_timeout_s:.0f} s (last steps {stalled}"
                     + (f"; ranks {behind} are behind the others, suspect them)" if behind else ")")
+                    + "".join(
+                        f"; rank {c['rank']} on {c['host']} is outside the collective, "
+                        f"at {c['frame']}"
+                        for c in named
+                    )
                     if stalled
                     else f"no rank wrote a heartbeat within {self.sup.start_timeout_s} s"
                 )
@@ -291,6 +302,12 @@ class Supervisor:
             self._wake.wait(0.5)
             self._wake.clear()
         return None
+
+    def _ask_stacks(self, beats: list[dict[str, Any]]) -> list[int]:
+        """Signal the ranks of ``beats`` for their stacks, through the pidfds held since they
+        were seen (never a recycled pid); returns the ranks reached."""
+        reached = self._seen.send(STACK_SIGNAL, only={int(b.get("pid", -1)) for b in beats})
+        return [int(b["rank"]) for b in beats if b.get("pid") in reached]
 
     def _sweep(self) -> None:
         """Kill workers the launcher left behind (SIGKILLed torchrun leaves orphans)."""

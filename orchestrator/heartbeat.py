@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from orchestrator.protocol import HEARTBEAT_DIR
+from orchestrator.stacks import arm, disarm, main_thread_id
 
 # Where a rank is in its step, in order. A rank blocked in a collective waits for the ranks
 # at an earlier position; other phases (recovered, closing, ...) are not compared.
@@ -40,7 +41,10 @@ class Heartbeat:
             "attempt": attempt,
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "thread": main_thread_id(),  # the training thread, in its stack dumps
         }
+        # The supervisor asks for this rank's stacks on a hang (orchestrator/stacks.py).
+        self._stacks = arm(os.path.join(self.dir, f"rank{rank}.stack"))
         self.interval_s = interval_s
         # (step, phase, progress_time), replaced as one: the writer never sees half an update.
         self.state: tuple[int, str, float] = (0, "train", time.time())
@@ -70,6 +74,7 @@ class Heartbeat:
         self._stop.set()
         if self._writer is not None:
             self._writer.join()
+        disarm(self._stacks)
 
     def _run(self) -> None:
         while True:

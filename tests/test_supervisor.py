@@ -79,6 +79,16 @@ def test_hang_is_detected_and_restarted(tmp_path: Path) -> None:
     assert 1 in {int(k) for k in hang["details"]["stalled_ranks"]}
     assert hang["details"]["phases"] == {"0": "check", "1": "backward"}
     assert hang["details"]["suspects"] == [1]
+    # Both ranks' stacks were taken before the kill; the culprit is the rank outside the
+    # collective its peer waits in, at the fault's frame.
+    folder = d / "hangs" / "attempt-0"
+    assert hang["details"]["stacks"] == str(folder)
+    stacks = {p.name: p.read_text() for p in folder.iterdir()}
+    assert set(stacks) == {"rank0.txt", "rank1.txt"}
+    assert "distributed_c10d.py" in stacks["rank0.txt"]  # waiting in the all-reduce
+    (culprit,) = hang["details"]["culprits"]
+    assert culprit["rank"] == 1 and culprit["host"] == socket.gethostname()
+    assert "faults.py" in culprit["frame"] and "process_faults" in culprit["frame"]
     assert hang["time"] - fault["time"] <= hang_timeout + 5
     assert kinds(d, "restart")[0]["details"]["cause"] == "hang"
     assert kinds(d, "run_end")[-1]["details"]["steps"] == 50
