@@ -234,18 +234,16 @@ class FSDP1Engine(TorchEngine):
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.model.no_sync()  # type: ignore[operator]
 
-    def _module_state(self) -> dict[str, torch.Tensor]:
+    def _model_state(self) -> dict[str, Any]:
+        # The local FlatParameters: FSDP1's state_dict() would all-gather every snapshot.
         named: dict[str, torch.Tensor] = dict(self.model.named_parameters())
         named.update(self.model.named_buffers())
         return {k: v.detach() for k, v in named.items()}
 
-    def state(self) -> dict[str, Any]:
-        return {**super().state(), "model": self._module_state()}
-
     def restore(self, snap: Snapshot, loss_scale_factor: float) -> None:
         saved = snap.materialize("model", clone=False)
         with torch.no_grad():
-            for name, live in self._module_state().items():
+            for name, live in self._model_state().items():
                 live.copy_(saved[name])
         self._drop_gathered()
         self.optimizer.load_state_dict(snap.materialize("optim", clone=True))
@@ -267,7 +265,7 @@ class FSDP1Engine(TorchEngine):
                     _reshard(module, handle, free_unsharded_flat_param=True)
 
     def estimate_state_bytes(self) -> int:
-        model = sum(t.numel() * t.element_size() for t in self._module_state().values())
+        model = sum(t.numel() * t.element_size() for t in self._model_state().values())
         optim = sum(
             v.numel() * v.element_size()
             for s in self.optimizer.state.values()

@@ -141,9 +141,13 @@ class TorchEngine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
 
+    def _model_state(self) -> dict[str, Any]:
+        """The model's part of a snapshot: references to its tensors."""
+        return self.core.state_dict()
+
     def state(self) -> dict[str, Any]:
         return {
-            "model": self.core.state_dict(),
+            "model": self._model_state(),
             "optim": self.optimizer.state_dict(),
             "sched": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
