@@ -7,6 +7,7 @@ exited with, from the journal events the workers wrote for that attempt.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from orchestrator.journal import read_journal
 from orchestrator.protocol import (
@@ -77,23 +78,28 @@ def last_journaled_step(run_dir: str, attempt: int) -> int | None:
     return max(steps, default=None)
 
 
-def next_attempt_number(run_dir: str, host: str) -> int:
+def node_of(event: dict[str, Any]) -> Any:
+    """The node a supervisor event came from (journals before nodes had names: the host)."""
+    return event["details"].get("node", event["details"].get("host"))
+
+
+def next_attempt_number(run_dir: str, node: str) -> int:
     """Attempts continue across supervisor restarts (the same command run again),
-    numbered from this host's supervisor events only."""
+    numbered from this node's supervisor events only."""
     attempts = [
         int(e.get("attempt", -1))
         for e in read_journal(run_dir)
-        if e.get("kind") == EVENT_ATTEMPT_START and e["details"].get("host") == host
+        if e.get("kind") == EVENT_ATTEMPT_START and node_of(e) == node
     ]
     return max(attempts, default=-1) + 1
 
 
-def history(run_dir: str, host: str) -> tuple[int, int]:
-    """(best step so far, attempts in a row without progress) from this host's earlier
+def history(run_dir: str, node: str) -> tuple[int, int]:
+    """(best step so far, attempts in a row without progress) from this node's earlier
     supervisors, so the crash-loop rule also holds across requeues."""
     best, stalled = -1, 0
     for e in read_journal(run_dir):
-        if e.get("kind") != EVENT_ATTEMPT_END or e["details"].get("host", host) != host:
+        if e.get("kind") != EVENT_ATTEMPT_END or node_of(e) not in (node, None):
             continue
         step = e["details"].get("best_step")
         if e["details"].get("outcome") == OK or (step is not None and step > best):

@@ -61,6 +61,7 @@ from orchestrator.protocol import (
     EXIT_RESTARTS_EXHAUSTED,
     EXIT_UNHEALTHY,
     POLICY_NAME,
+    node_name,
 )
 from orchestrator.rundir import write_policy
 from orchestrator.stacks import STACK_SIGNAL
@@ -80,6 +81,7 @@ class Supervisor:
         self.policy_path = os.path.join(self.run_dir, POLICY_NAME)
         write_policy(self.policy_path, policy)
         self.host = socket.gethostname()
+        self.node = node_name()  # the hostname, or $ORCHESTRATOR_NODE when simulating nodes
         self._signals = 0
         self._wake = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -98,16 +100,20 @@ class Supervisor:
                 signal.signal(s, h)
 
     def _loop(self) -> int:
-        attempt = next_attempt_number(self.run_dir, self.host)
+        attempt = next_attempt_number(self.run_dir, self.node)
         self.journal = journal = Journal(self.run_dir, SUPERVISOR_RANK, attempt)
         restarts = unhealthy = 0
-        best, stalled_attempts = history(self.run_dir, self.host)
+        best, stalled_attempts = history(self.run_dir, self.node)
         try:
             while True:
                 journal.attempt = attempt
                 if self._signals:
                     return self._stop(journal, 128 + signal.SIGTERM, "stopped on request", best)
-                journal.write(EVENT_ATTEMPT_START, best, {"cmd": self.cmd, "host": self.host})
+                journal.write(
+                    EVENT_ATTEMPT_START,
+                    best,
+                    {"cmd": self.cmd, "host": self.host, "node": self.node},
+                )
                 a = self._run_attempt(attempt)
                 progressed = (a.best_step is not None and a.best_step > best) or (
                     # A script without the Guard writes no heartbeats: a long life is progress.
@@ -123,6 +129,7 @@ class Supervisor:
                         "best_step": a.best_step,
                         "stalled": a.stalled,
                         "host": self.host,
+                        "node": self.node,
                     },
                 )
                 if a.outcome == OK:
@@ -277,6 +284,7 @@ class Supervisor:
                         "stacks": stacks,
                         "hang_timeout_s": self.sup.hang_timeout_s,
                         "host": self.host,
+                        "node": self.node,
                         "log": self._log_path(attempt),
                     },
                 )
@@ -318,7 +326,7 @@ class Supervisor:
         beats = [
             b
             for b in read_heartbeats(self.run_dir)
-            if b.get("attempt") == attempt and b.get("host") == self.host
+            if b.get("attempt") == attempt and b.get("node", b.get("host")) == self.node
         ]
         steps = [int(b["step"]) for b in beats]
         if steps:  # the highest step seen, even if a rollback lowers a rank's latest beat

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from orchestrator.protocol import HEARTBEAT_DIR
+from orchestrator.protocol import HEARTBEAT_DIR, node_name
 from orchestrator.stacks import arm, disarm, main_thread_id
 
 # Where a rank is in its step, in order. A rank blocked in a collective waits for the ranks
@@ -41,6 +41,7 @@ class Heartbeat:
             "attempt": attempt,
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "node": node_name(),  # the supervisor of this node reads this rank's beats
             "thread": main_thread_id(),  # the training thread, in its stack dumps
         }
         # The supervisor asks for this rank's stacks on a hang (orchestrator/stacks.py).

@@ -274,6 +274,12 @@ def test_a_second_supervisor_for_the_node_is_refused(tmp_path: Path) -> None:
         assert str(lock) in second.stdout and f"pid {first.pid}" in second.stdout
         assert "never runs" not in second.stdout
         assert [e["details"]["host"] for e in kinds(d, "attempt_start")] == [socket.gethostname()]
+        # Another node of the same run directory has its own lock and its own attempts.
+        other = run(launch_cmd(d, policy, sys.executable, "-c", "print('node b')"),
+                    env={"ORCHESTRATOR_NODE": "b"})  # fmt: skip
+        assert other.returncode == 0 and "node b" in other.stdout, other.stdout
+        starts = {e["details"]["node"]: e["attempt"] for e in kinds(d, "attempt_start")}
+        assert starts == {socket.gethostname(): 0, "b": 0}
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(timeout=30)
