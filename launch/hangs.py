@@ -21,12 +21,15 @@ def collect(
     attempt: int,
     beats: list[dict[str, Any]],
     ask: Callable[[list[dict[str, Any]]], list[int]],
+    every_rank: list[dict[str, Any]] | None = None,
     wait_s: float = 3.0,
 ) -> tuple[str, list[dict[str, Any]]]:
-    """Ask the ranks of ``beats`` for their stacks (``ask`` signals them and returns the
-    ranks it reached), wait up to ``wait_s`` for the dumps, keep them under
-    ``hangs/attempt-<n>/``. Returns that folder and the culprits (rank, host, innermost
-    frame of the training thread)."""
+    """Ask this node's ranks (``beats``) for their stacks (``ask`` signals them and returns
+    the ranks it reached), keep the dumps under ``hangs/attempt-<n>/``, and name the
+    culprits among every rank whose stack is there within ``wait_s``: the other nodes'
+    supervisors, seeing the same hang, put theirs beside (``every_rank``: all nodes' beats
+    of the attempt). Returns that folder and the culprits (rank, host, innermost frame of the
+    training thread)."""
     out = os.path.join(run_dir, HANGS_DIR, f"attempt-{attempt}")
     os.makedirs(out, exist_ok=True)
     asked = set(ask(beats))
@@ -39,20 +42,25 @@ def collect(
             break  # every dump written and no longer growing
         sizes = now
         time.sleep(0.2)
+    for rank, path in src.items():
+        if _size(path):
+            shutil.copyfile(path, os.path.join(out, f"rank{rank}.txt"))
+    everyone = {int(b["rank"]): b for b in (every_rank or beats)}
+    while time.monotonic() < deadline and not all(  # the other nodes' dumps
+        _size(os.path.join(out, f"rank{r}.txt")) for r in everyone
+    ):
+        time.sleep(0.2)
     stacks: dict[int, list[str]] = {}
-    for b in beats:
-        rank = int(b["rank"])
-        if rank not in src or not _size(src[rank]):
-            continue
-        dest = os.path.join(out, f"rank{rank}.txt")
-        shutil.copyfile(src[rank], dest)
-        with open(dest, encoding="utf-8", errors="replace") as f:
-            stacks[rank] = frames(f.read(), str(b.get("thread", "")))
-    host = {int(b["rank"]): b.get("host") for b in beats}
+    for rank, b in everyone.items():
+        path = os.path.join(out, f"rank{rank}.txt")
+        if _size(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                stacks[rank] = frames(f.read(), str(b.get("thread", "")))
     named = [
-        {"rank": r, "host": host.get(r), "frame": stacks[r][0] if stacks[r] else None}
+        {"rank": r, "host": everyone[r].get("host"), "node": everyone[r].get("node"),
+         "phase": everyone[r].get("phase"), "frame": stacks[r][0] if stacks[r] else None}
         for r in culprits(stacks)
-    ]
+    ]  # fmt: skip
     return out, named
 
 

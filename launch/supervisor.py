@@ -270,7 +270,10 @@ class Supervisor:
             stalled = self._stalled(beats, started)
             if stalled is not None:
                 behind = suspects(beats)
-                stacks, named = collect(self.run_dir, attempt, beats, self._ask_stacks)
+                every_rank = [
+                    b for b in read_heartbeats(self.run_dir) if b.get("attempt") == attempt
+                ]
+                stacks, named = collect(self.run_dir, attempt, beats, self._ask_stacks, every_rank)
                 self.journal.write(
                     EVENT_HANG,
                     max(stalled.values(), default=-1),
