@@ -6,7 +6,7 @@ import os
 import select
 import signal
 import sys
-from typing import IO
+from typing import IO, Any
 
 
 def describe(returncode: int, killed_by_us: bool = False) -> str:
@@ -21,16 +21,26 @@ def describe(returncode: int, killed_by_us: bool = False) -> str:
     return f"exit {returncode}"
 
 
+def _prctl() -> Any:
+    if sys.platform != "linux":
+        return None
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+# Resolved here, in the parent: the child between fork and exec (where preexec_fn runs) must
+# not load libraries or take locks another thread of the supervisor may have held.
+_PRCTL = _prctl()
+_PR_SET_PDEATHSIG = 1
+
+
 def die_with_parent() -> None:
     """``preexec_fn`` of the launcher: the kernel SIGKILLs it when the supervisor dies, even
     by SIGKILL (Linux ``PR_SET_PDEATHSIG``; a no-op elsewhere). The ranks watch the
     supervisor themselves (orchestrator/lifeline.py)."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 class Handles:
