@@ -36,6 +36,7 @@ def test_benchmark_runs(args: list[str]) -> None:
     assert all(v == v for row in rows for v in row.values() if isinstance(v, float))  # no NaN
 
 
+@pytest.mark.matrix  # 55 s of CI; the per-topic scripts above run in the default set
 def test_suite_cases_run_and_tabulate() -> None:
     """The suite's own cases at a tiny size, and its tables built from their results."""
     sys.path.insert(0, "benchmarks")
