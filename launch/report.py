@@ -192,6 +192,12 @@ def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | No
             else ""
         )
         + " |",
+    ]
+    gaps = metric_gaps(sorted({int(m["step"]) for m in rec.metrics}))
+    if gaps:  # rows lost when a process died with them buffered: the plot breaks there
+        spans = ", ".join(f"{a + 1}-{b - 1}" for a, b in gaps)
+        out += [f"| steps without metrics | {spans} (lost in a crash; not drawn) |"]
+    out += [
         "",
         "## Timeline",
         "",

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from orchestrator.protocol import HEARTBEAT_DIR, node_name
+from orchestrator.protocol import ENV_SUPERVISOR_PID, HEARTBEAT_DIR, node_name
 from orchestrator.stacks import arm, disarm, main_thread_id
 
 # Where a rank is in its step, in order. A rank blocked in a collective waits for the ranks
@@ -44,8 +44,10 @@ class Heartbeat:
             "node": node_name(),  # the supervisor of this node reads this rank's beats
             "thread": main_thread_id(),  # the training thread, in its stack dumps
         }
-        # The supervisor asks for this rank's stacks on a hang (orchestrator/stacks.py).
-        self._stacks = arm(os.path.join(self.dir, f"rank{rank}.stack"))
+        # The supervisor asks for this rank's stacks on a hang (orchestrator/stacks.py); the
+        # signal is taken only under it, so a script's own SIGUSR2 handler stays otherwise.
+        supervised = ENV_SUPERVISOR_PID in os.environ
+        self._stacks = arm(os.path.join(self.dir, f"rank{rank}.stack")) if supervised else None
         self.interval_s = interval_s
         # (step, phase, progress_time), replaced as one: the writer never sees half an update.
         self.state: tuple[int, str, float] = (0, "train", time.time())
@@ -75,7 +77,8 @@ class Heartbeat:
         self._stop.set()
         if self._writer is not None:
             self._writer.join()
-        disarm(self._stacks)
+        if self._stacks is not None:
+            disarm(self._stacks)
 
     def _run(self) -> None:
         while True:

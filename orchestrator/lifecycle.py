@@ -55,7 +55,8 @@ def resolve_run_dir(comm: Comm, run_dir: str | None, fresh: bool, policy: Policy
     if fresh and comm.rank == 0 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         for line in archive_run_dir(chosen, policy):
             logger.warning("Guard(fresh=True): %s", line)
-    comm.broadcast_object(None)  # nobody opens the journal before the archive is done
+    if fresh:
+        comm.broadcast_object(None)  # nobody opens the journal before the archive is done
     os.makedirs(chosen, exist_ok=True)
     return chosen
 

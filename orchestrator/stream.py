@@ -8,17 +8,21 @@ count their position in the *unfiltered* stream (``raw``), so quarantining a sam
 moves the position, as with the Guard's own sampler (orchestrator/data.py).
 
 Every batch comes out as ``(ids, samples, collated)``: the ids for the ledger and the
-investigation, the samples so an isolation re-run can collate any subset of the step
-(a stream cannot be indexed), the collated batch for the user's loop.
+investigation, the collated batch for the user's loop, and, with a ``collate_fn`` of the
+user's, the samples, so an isolation re-run can collate any subset of the step (a stream
+cannot be indexed). With torch's default collate the samples do not travel: a re-run
+takes its rows out of the collated batches (:func:`_rows`), which default_collate of the
+subset would have produced exactly.
 """
 
 from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, default_collate
 
 from orchestrator.errors import OrchestratorError, PersistError, UsageError
@@ -138,15 +142,50 @@ class _SkipQuarantined(Sampler[list[int]]):
 
 
 class _WithIds:
-    """Collate ``(id, sample)`` pairs into ``(ids, samples, collate(samples))``."""
+    """Collate ``(id, sample)`` pairs into ``(ids, samples, collate(samples))``; the
+    samples only for a user ``collate_fn`` (None: torch's default, whose rows a re-run
+    takes from the collated batch)."""
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None) -> None:
         self.collate_fn = collate_fn
 
-    def __call__(self, pairs: list[tuple[int, Any]]) -> tuple[list[int], list[Any], Any]:
+    def __call__(self, pairs: list[tuple[int, Any]]) -> tuple[list[int], list[Any] | None, Any]:
         ids = [i for i, _ in pairs]
         samples = [s for _, s in pairs]
+        if self.collate_fn is None:
+            return ids, None, default_collate(samples)
         return ids, samples, self.collate_fn(samples)
+
+
+def _rows(batch: Any, index: list[int]) -> Any:
+    """The rows ``index`` of a batch made by ``default_collate``: what default_collate of
+    those samples makes (tensors are stacked on dim 0; strings stay lists)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[index]
+    if isinstance(batch, Mapping):
+        return {k: _rows(v, index) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        if all(isinstance(v, (str, bytes)) for v in batch):
+            return [batch[i] for i in index]  # per-sample strings
+        fields = [_rows(v, index) for v in batch]  # one entry per field of the samples
+        return type(batch)(*fields) if hasattr(batch, "_fields") else type(batch)(fields)
+    raise UsageError(
+        f"an isolation re-run cannot take rows out of a batch holding {type(batch).__name__}: "
+        "pass guard.dataloader(collate_fn=...) explicitly (the Guard then keeps the samples)"
+    )
+
+
+def _joined(parts: list[Any]) -> Any:
+    """Batches of rows (from :func:`_rows`) as one, in order."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, Mapping):
+        return {k: _joined([p[k] for p in parts]) for k in first}
+    if all(isinstance(v, (str, bytes)) for v in first):
+        return [v for p in parts for v in p]
+    fields = [_joined([p[i] for p in parts]) for i in range(len(first))]
+    return type(first)(*fields) if hasattr(first, "_fields") else type(first)(fields)
 
 
 @contextlib.contextmanager
@@ -187,8 +226,8 @@ class StreamSource:
             )
         self.rank, self.world_size, self._q = rank, world_size, quarantined
         self.batch_size = batch_size
-        self.collate_fn = collate_fn or default_collate
-        wrap = _WithIds(self.collate_fn)
+        self.collate_fn = collate_fn
+        wrap = _WithIds(collate_fn)
         self.loader: Any
         if isinstance(dataset, IterableDataset):
             if sampler is not None:
@@ -218,7 +257,9 @@ class StreamSource:
                 )
         self._it: Iterator[Any] | None = None
         self._fresh = False  # the iterator has yielded nothing yet
-        self._samples: dict[int, Any] = {}  # the step's samples by id, for re-runs
+        # The step's samples by id, for re-runs: the sample itself (a user collate_fn), or
+        # (the collated batch, its row) with the default collate.
+        self._samples: dict[int, Any] = {}
         self._seen = 0  # samples this rank fetched, the running step's included
 
     @property
@@ -272,7 +313,10 @@ class StreamSource:
             self._it = None
             return None
         self._fresh = False
-        self._samples.update(zip(ids, samples, strict=True))
+        if samples is not None:
+            self._samples.update(zip(ids, samples, strict=True))
+        else:
+            self._samples.update((i, (batch, row)) for row, i in enumerate(ids))
         self._seen += len(ids)
         return ids, batch, None
 
@@ -283,7 +327,9 @@ class StreamSource:
         self._samples = {}  # only the running step can be re-run
 
     def rerun_batch(self, ids: list[int]) -> Any:
-        return self.collate_fn([self._samples[i] for i in ids])
+        if self.collate_fn is not None:
+            return self.collate_fn([self._samples[i] for i in ids])
+        return _joined([_rows(batch, [row]) for batch, row in (self._samples[i] for i in ids)])
 
     def samples_seen(self) -> int:
         # drop_last and one batch size: every rank fetches as many samples as this one.

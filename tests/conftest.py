@@ -15,6 +15,8 @@ import pytest
 import torch
 import yaml
 
+from orchestrator.protocol import LEDGER_NAME
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 DS_EXAMPLE = REPO / "examples" / "train_gpt_deepspeed.py"
@@ -106,6 +108,15 @@ def final_states(run_dir: Path) -> list[dict[str, Any]]:
     files = sorted((run_dir / "final").glob("rank*.pt"))
     assert files, f"no final state in {run_dir}"
     return [torch.load(f, weights_only=True) for f in files]
+
+
+def prequarantined(tmp_path: Path, ids: list[int]) -> Path:
+    """A run directory whose ledger holds ``ids`` from the start: the reference a run that
+    quarantines them mid-way must equal, bit for bit, after its rollback."""
+    d = tmp_path / "prequarantined"
+    d.mkdir()
+    (d / LEDGER_NAME).write_text("".join(json.dumps({"sample": i}) + "\n" for i in ids))
+    return d
 
 
 def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:

@@ -4,14 +4,13 @@ bit for bit, and under DDP only the last micro-batch of a step communicates."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from conftest import REPO, assert_bitwise_equal, final_states, kinds, train
+from conftest import REPO, assert_bitwise_equal, final_states, kinds, prequarantined, train
 from orchestrator.data import GuardBatchSampler
 
 pytestmark = pytest.mark.timeout(400)
@@ -74,9 +73,7 @@ def test_a_poison_sample_in_micro_batch_2_is_isolated_and_quarantined(
     (q,) = kinds(faulty, "quarantine")
     assert q["details"]["samples"] == [bad]
 
-    pre = tmp_path / "prequarantined"
-    pre.mkdir()
-    (pre / "quarantine.jsonl").write_text(json.dumps({"sample": bad}) + "\n")
+    pre = prequarantined(tmp_path, [bad])
     run(pre, engine, policy)
     assert not kinds(pre, "incident")
     for a, b in zip(final_states(pre), final_states(faulty), strict=True):

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from regression_worker import poison_ids
 
-from conftest import REPO, assert_bitwise_equal, final_states, journal, kinds, train
+from conftest import REPO, assert_bitwise_equal, final_states, journal, kinds, prequarantined, train
 from launch import report
 
 pytestmark = pytest.mark.timeout(400)
@@ -71,9 +71,7 @@ def test_bad_samples_are_quarantined_and_the_run_finishes(
     assert totals["incidents_explained_by_data"] == len(incidents)
     assert totals["quarantined_fraction"] == pytest.approx(poison / samples)
 
-    pre = tmp_path / "prequarantined"
-    pre.mkdir()
-    (pre / "quarantine.jsonl").write_text("".join(json.dumps({"sample": i}) + "\n" for i in bad))
+    pre = prequarantined(tmp_path, bad)
     run(pre, *args, "--poison", str(poison))
     assert not kinds(pre, "incident")
     for a, b in zip(final_states(pre), final_states(faulty), strict=True):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_bitwise_equal, final_states, journal, kinds, train
+from conftest import assert_bitwise_equal, final_states, journal, kinds, prequarantined, train
 from orchestrator.data import GuardBatchSampler
 from orchestrator.errors import EXIT_GAVE_UP
 
@@ -69,11 +69,7 @@ def test_poison_sample_quarantined_bit_for_bit(tmp_path: Path) -> None:
     assert rec["details"]["incident"]["reproduced"] is True
 
     # A clean run whose ledger holds the id from the start.
-    pre = tmp_path / "prequarantined"
-    pre.mkdir()
-    (pre / "quarantine.jsonl").write_text(
-        json.dumps({"sample": bad, "step": -1, "reason": "test"}) + "\n"
-    )
+    pre = prequarantined(tmp_path, [bad])
     r = train(pre, 2, *STEPS, policy=EXACT)
     assert r.returncode == 0, r.stdout[-3000:]
     assert not kinds(pre, "incident")

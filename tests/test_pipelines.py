@@ -5,7 +5,6 @@ and resume rewind the loader's own state, bit for bit."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import REPO, assert_bitwise_equal, final_states, kinds, train
+from conftest import REPO, assert_bitwise_equal, final_states, kinds, prequarantined, train
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -30,10 +29,15 @@ EXACT: dict[str, Any] = {
 
 
 def run(
-    run_dir: Path, data: str, policy: dict[str, Any], workers: int = 0, ok: bool = True
+    run_dir: Path,
+    data: str,
+    policy: dict[str, Any],
+    workers: int = 0,
+    ok: bool = True,
+    samples: int = SAMPLES,
 ) -> None:
     """Train into ``run_dir``; it must end with exit code 0 (``ok``) or fail."""
-    args = ["--data", data, "--steps", str(STEPS), "--samples", str(SAMPLES)]
+    args = ["--data", data, "--steps", str(STEPS), "--samples", str(samples)]
     r = train(run_dir, 2, *args, "--workers", str(workers), policy=policy, script=WORKER)
     assert (r.returncode == 0) == ok, r.stdout[-4000:]
 
@@ -49,23 +53,27 @@ def sample_at(data: str, step: int, rank: int) -> int:
     return int(order[step * BATCH + 3])
 
 
-@pytest.mark.parametrize(("data", "workers"), [("sampler", 0), ("stream", 2)])
+# The sampler over 100 samples (50 per rank, 6 batches of 8 and 2 dropped per epoch): the
+# 24 steps cross 3 epoch ends and the resume lands in a later epoch than the first.
+@pytest.mark.parametrize(
+    ("data", "workers", "samples"), [("sampler", 0, 100), ("stream", 2, SAMPLES)]
+)
 def test_transient_nan_then_crash_resume_bit_for_bit(
-    tmp_path: Path, data: str, workers: int
+    tmp_path: Path, data: str, workers: int, samples: int
 ) -> None:
     """A NaN at step 7 rolls back to step 5 (the loader state from the ring), a crash at
     step 17 ends the attempt and the same command resumes from the newest durable snapshot
     (the loader state from storage): both must replay exactly the clean run's batches."""
     clean = tmp_path / "clean"
-    run(clean, data, EXACT, workers)
+    run(clean, data, EXACT, workers, samples=samples)
     faulty = tmp_path / "faulty"
     faults = [
         {"kind": "inf_loss", "step": 7, "rank": 1},
         {"kind": "crash", "step": 17, "rank": 0},
     ]
     policy = {**EXACT, "faults": faults}
-    run(faulty, data, policy, workers, ok=False)
-    run(faulty, data, policy, workers)
+    run(faulty, data, policy, workers, ok=False, samples=samples)
+    run(faulty, data, policy, workers, samples=samples)
     (rollback,) = kinds(faulty, "rollback")
     assert (rollback["details"]["from_step"], rollback["details"]["to_step"]) == (7, 5)
     (resume,) = kinds(faulty, "resume")
@@ -93,9 +101,7 @@ def test_a_poison_sample_is_quarantined_by_id_bit_for_bit(tmp_path: Path, data: 
     assert q["details"]["samples"] == [bad]
     assert bad in inc["details"]["batch_ids"][0]
 
-    pre = tmp_path / "prequarantined"
-    pre.mkdir()
-    (pre / "quarantine.jsonl").write_text(json.dumps({"sample": bad}) + "\n")
+    pre = prequarantined(tmp_path, [bad])
     run(pre, data, policy)
     assert not kinds(pre, "incident")
     for a, b in zip(final_states(pre), final_states(faulty), strict=True):

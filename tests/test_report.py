@@ -90,5 +90,9 @@ def test_metrics_lost_in_a_crash_are_a_gap_not_a_line(tmp_path: Path) -> None:
     ]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "journal.jsonl").write_text("")
-    _, png = write_report(str(d))
+    md_path, png = write_report(str(d))
     assert png is not None and Path(png).read_bytes()[:4] == b"\x89PNG"
+    assert (
+        "| steps without metrics | 10-29 (lost in a crash; not drawn) |"
+        in Path(md_path).read_text()
+    )

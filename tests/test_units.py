@@ -240,3 +240,88 @@ def test_hang_suspects_are_the_ranks_behind() -> None:
     assert suspects([beat(0, 30, "check"), beat(1, 30, "check")]) == []
     assert suspects([beat(0, 30, "check"), beat(1, 30, "recovered")]) == []
     assert suspects([]) == []
+
+
+class _Counting(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """0, 1, 2, ... as {"id": i}; with ``stateful`` it resumes from its own state."""
+
+    def __init__(self, n: int, stateful: bool) -> None:
+        self.n, self.at = n, 0
+        if stateful:
+            self.state_dict = lambda: {"at": self.at}  # type: ignore[method-assign]
+            self.load_state_dict = lambda s: setattr(self, "at", s["at"])  # type: ignore[method-assign]
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        start = self.at if hasattr(self, "state_dict") else 0
+        for i in range(start, self.n):
+            self.at = i + 1
+            yield {"id": i}
+
+
+@pytest.mark.parametrize("stateful", [True, False], ids=["own-state", "replayed"])
+def test_a_stream_resumes_where_it_stood_and_quarantine_does_not_move_it(stateful: bool) -> None:
+    from orchestrator.stream import _Key, _Stream
+
+    quarantined: set[int] = {2}
+    first = _Stream(_Counting(20, stateful), _Key("id"), quarantined)
+    it = iter(first)
+    assert [next(it)[0] for _ in range(5)] == [0, 1, 3, 4, 5]  # 2 skipped
+    state = first.state_dict()
+    quarantined.add(7)  # quarantined after the position was saved, ahead of it
+    again = _Stream(_Counting(20, stateful), _Key("id"), quarantined)
+    again.load_state_dict(state)
+    assert [i for i, _ in again] == [6, 8, 9, *range(10, 20)]
+
+
+def test_a_user_sampler_resumes_across_epochs_and_is_told_each_epoch() -> None:
+    from orchestrator.stream import _SkipQuarantined
+
+    class Told(torch.utils.data.Sampler[int]):
+        def __init__(self) -> None:
+            self.epochs: list[int] = []
+
+        def set_epoch(self, epoch: int) -> None:
+            self.epochs.append(epoch)
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            g = torch.Generator().manual_seed(self.epochs[-1])
+            return iter(torch.randperm(10, generator=g).tolist())
+
+        def __len__(self) -> int:
+            return 10
+
+    sampler = Told()
+    batches = _SkipQuarantined(sampler, 3, {int(torch.randperm(10)[0])})
+    whole = [b for _ in range(3) for b in batches]  # three epochs, 9 kept ids -> 3 batches
+    assert sampler.epochs == [0, 1, 2] and len(whole) == 9
+    # Stop after the first batch of epoch 1, resume from the state, in a new sampler.
+    replay = _SkipQuarantined(sampler, 3, batches.quarantined)
+    list(replay)
+    it = iter(replay)
+    next(it)
+    state = replay.state_dict()
+    resumed = _SkipQuarantined(Told(), 3, batches.quarantined)
+    resumed.load_state_dict(state)
+    assert list(resumed) == whole[4:6] and resumed.sampler.epochs == [1]
+
+
+def test_rerun_rows_are_what_default_collate_of_the_subset_makes() -> None:
+    import collections
+
+    from torch.utils.data import default_collate
+
+    from orchestrator.stream import _joined, _rows
+
+    Pair = collections.namedtuple("Pair", "a b")
+    samples = [
+        {"x": torch.randn(3), "n": i, "name": f"s{i}", "pair": Pair(torch.tensor([i]), 0.5 * i)}
+        for i in range(6)
+    ]
+    first, second = default_collate(samples[:4]), default_collate(samples[4:])
+    got = _joined([_rows(first, [3]), _rows(second, [1]), _rows(first, [0])])
+    want = default_collate([samples[3], samples[5], samples[0]])
+    assert got.keys() == want.keys() and got["name"] == want["name"]
+    for key in ("x", "n"):
+        assert torch.equal(got[key], want[key]) and got[key].dtype == want[key].dtype
+    assert isinstance(got["pair"], Pair)
+    assert all(torch.equal(g, w) for g, w in zip(got["pair"], want["pair"], strict=True))
