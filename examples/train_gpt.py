@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\ndone: {guard.global_step} steps, {len(guard.incidents)} incident(s), "
             f"{guard.rollbacks} rollback(s), "
-            f"{kinds.count('snapshot')} snapshots; journal: {guard.run_dir}/journal.jsonl"
+            f"{kinds.count('snapshot')} snapshots; journal: {guard.run_dir}/journal/"
         )
     return 0
 

@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\ndone: {guard.global_step} steps, {len(guard.incidents)} incident(s), "
             f"{guard.rollbacks} rollback(s), {kinds.count('snapshot')} snapshots; "
-            f"journal: {guard.run_dir}/journal.jsonl"
+            f"journal: {guard.run_dir}/journal/"
         )
     torch.distributed.barrier()  # every rank is done: nothing is in flight any more
     return 0

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.protocol import HEARTBEAT_DIR
+from orchestrator.protocol import HEARTBEAT_DIR, node_path
 from orchestrator.stacks import culprits, frames
 
 HANGS_DIR = "hangs"
@@ -19,12 +19,13 @@ HANGS_DIR = "hangs"
 def collect(
     run_dir: str,
     attempt: int,
+    node: str,
     beats: list[dict[str, Any]],
     ask: Callable[[list[dict[str, Any]]], list[int]],
     every_rank: list[dict[str, Any]] | None = None,
     wait_s: float = 3.0,
 ) -> tuple[str, list[dict[str, Any]]]:
-    """Ask this node's ranks (``beats``) for their stacks (``ask`` signals them and returns
+    """Ask this ``node``'s ranks (``beats``) for their stacks (``ask`` signals them and returns
     the ranks it reached), keep the dumps under ``hangs/attempt-<n>/``, and name the
     culprits among every rank whose stack is there within ``wait_s``: the other nodes'
     supervisors, seeing the same hang, put theirs beside (``every_rank``: all nodes' beats
@@ -33,7 +34,9 @@ def collect(
     out = os.path.join(run_dir, HANGS_DIR, f"attempt-{attempt}")
     os.makedirs(out, exist_ok=True)
     asked = set(ask(beats))
-    src = {r: os.path.join(run_dir, HEARTBEAT_DIR, f"rank{r}.stack") for r in asked}
+    src = {
+        r: os.path.join(node_path(run_dir, HEARTBEAT_DIR, node), f"rank{r}.stack") for r in asked
+    }
     deadline = time.monotonic() + wait_s
     sizes: dict[int, int] = {}
     while time.monotonic() < deadline:  # bounded: a rank may be past answering

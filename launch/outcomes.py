@@ -84,14 +84,17 @@ def node_of(event: dict[str, Any]) -> Any:
 
 
 def next_attempt_number(run_dir: str, node: str) -> int:
-    """Attempts continue across supervisor restarts (the same command run again),
-    numbered from this node's supervisor events only."""
-    attempts = [
-        int(e.get("attempt", -1))
-        for e in read_journal(run_dir)
-        if e.get("kind") == EVENT_ATTEMPT_START and node_of(e) == node
-    ]
-    return max(attempts, default=-1) + 1
+    """The attempt this node starts next: one past its own last (attempts continue across
+    supervisor restarts), or the attempt another node has started, when higher: a node that
+    comes back late joins the attempt the others wait in, under the same id."""
+    own = others = -1
+    for e in read_journal(run_dir):
+        if e.get("kind") == EVENT_ATTEMPT_START:
+            if node_of(e) == node:
+                own = max(own, int(e.get("attempt", -1)))
+            else:
+                others = max(others, int(e.get("attempt", -1)))
+    return max(own + 1, others)
 
 
 def history(run_dir: str, node: str) -> tuple[int, int]:

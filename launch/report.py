@@ -4,14 +4,13 @@ report.png: loss and grad norm against the step, the LR on a second axis, incide
 vertical lines coloured by classification, rolled-back steps shaded, restarts and durable
 snapshots marked (needs matplotlib: ``pip install -e '.[report]'``). report.md: the
 timeline (time, step, event, evidence, action), the totals, and the quarantine list with
-where each sample id came from. Both from RUN_DIR/journal.jsonl and RUN_DIR/metrics.jsonl
-only: the report works on a finished, crashed or running run alike.
+where each sample id came from. Both from the journal (every node's, merged by time) and
+RUN_DIR/metrics.jsonl only: the report works on a finished, crashed or running run alike.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import statistics
@@ -19,9 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.journal import quarantine_share
+from orchestrator.journal import load_journal, per_attempt, quarantine_share
 from orchestrator.metrics import read_metrics
-from orchestrator.protocol import JOURNAL_NAME
 
 COLOURS = {
     "transient": "tab:orange",
@@ -35,7 +33,7 @@ COLOURS = {
 @dataclass
 class RunRecord:
     events: list[dict[str, Any]]
-    skipped: list[int] = field(default_factory=list)  # journal lines that did not parse
+    skipped: list[str] = field(default_factory=list)  # file:line of journal lines not parsed
     metrics: list[dict[str, Any]] = field(default_factory=list)
 
     def of(self, *kinds: str) -> list[dict[str, Any]]:
@@ -43,17 +41,7 @@ class RunRecord:
 
 
 def load(run_dir: str) -> RunRecord:
-    events, skipped = [], []
-    path = os.path.join(run_dir, JOURNAL_NAME)
-    if os.path.exists(path):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    skipped.append(n)  # a crash mid-write leaves a torn last line
+    events, skipped = load_journal(run_dir)  # every node's, merged by time
     return RunRecord(events, skipped, read_metrics(run_dir))
 
 
@@ -110,7 +98,8 @@ def timeline(rec: RunRecord) -> list[tuple[str, Any, str, str, str]]:
                     when,
                     e["step"],
                     "restart",
-                    f"attempt ended: {d['cause']} (exit {d.get('returncode')})",
+                    f"attempt ended: {d['cause']} (exit {d.get('returncode')})"
+                    + (f" on {d['node']}" if "node" in d else ""),
                     f"attempt {d['next_attempt']} after {d['delay_s']} s",
                 )
             )
@@ -139,7 +128,8 @@ def totals(rec: RunRecord) -> dict[str, Any]:
     step_s = statistics.median(step_times) if step_times else None
     incident_s = sum(float(e["details"]["incident"]["duration_s"]) for e in rec.of("recovered"))
     restart_s = 0.0
-    for r in rec.of("restart"):  # from the end of an attempt to the next one's resume
+    restarts = per_attempt(rec.events, "restart")  # each node journals the job's restart
+    for r in restarts:  # from the end of an attempt to the next one's resume
         resumed = [e for e in rec.of("resume") if e["time"] > r["time"]]
         if resumed:
             restart_s += float(resumed[0]["time"]) - float(r["time"])
@@ -153,7 +143,13 @@ def totals(rec: RunRecord) -> dict[str, Any]:
         "samples_seen": share[1] if share else None,
         "quarantined_fraction": share[0] / max(share[1], 1) if share else None,
         "rollbacks": len(rollbacks),
-        "restarts": len(rec.of("restart")),
+        "restarts": len(restarts),
+        "nodes": sorted(  # the supervisors' (older journals name the host)
+            {
+                str(e["details"].get("node", e["details"].get("host")))
+                for e in rec.of("attempt_start")
+            }
+        ),
         "steps_lost_to_rollback": lost_steps,
         "wall_time_lost_s": round(
             incident_s + restart_s + (lost_steps * step_s if step_s else 0.0), 2
@@ -169,7 +165,7 @@ def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | No
     if rec.skipped:
         out += [
             f"> Note: {len(rec.skipped)} journal line(s) could not be read and were skipped "
-            f"(line {', '.join(map(str, rec.skipped))}; a crash mid-write leaves a torn "
+            f"({', '.join(rec.skipped)}; a crash mid-write leaves a torn "
             "last line). Everything before them is reported.",
             "",
         ]
@@ -193,6 +189,8 @@ def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | No
         )
         + " |",
     ]
+    if t["nodes"]:  # under the supervisor
+        out += [f"| nodes | {len(t['nodes'])}: {', '.join(t['nodes'])} |"]
     gaps = metric_gaps(sorted({int(m["step"]) for m in rec.metrics}))
     if gaps:  # rows lost when a process died with them buffered: the plot breaks there
         spans = ", ".join(f"{a + 1}-{b - 1}" for a, b in gaps)

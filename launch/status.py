@@ -7,8 +7,9 @@ import time
 from collections import Counter
 from typing import Any
 
+from launch.nodes import supervisors
 from orchestrator.heartbeat import progress_time, read_heartbeats
-from orchestrator.journal import quarantine_share, read_journal
+from orchestrator.journal import per_attempt, quarantine_share, read_journal
 from orchestrator.policy import load_policy
 from orchestrator.protocol import POLICY_NAME
 from orchestrator.store import DurableStore, default_url
@@ -35,7 +36,8 @@ def render(run_dir: str) -> str:
     lines = [f"run {run_dir}"]
     lines.append(
         f"  attempt {attempt}   newest step {max(steps, default=0)}   "
-        f"restarts {kinds['restart']}   hangs {kinds['hang']}   incidents {kinds['incident']} "
+        f"restarts {len(per_attempt(events, 'restart'))}   "
+        f"hangs {len(per_attempt(events, 'hang'))}   incidents {kinds['incident']} "
         f"(data {causes['data']}, unexplained {causes['unexplained']})   "
         f"rollbacks {kinds['rollback']}   quarantined {quarantined}"
     )
@@ -45,14 +47,27 @@ def render(run_dir: str) -> str:
     elif last:
         age = time.time() - float(last["time"])
         lines.append(f"  last event {last['kind']} at step {last['step']}, {age:.0f} s ago")
+    sups = supervisors(run_dir)
+    if sups:
+        lines.append("  node        supervisor                      attempt  state")
+        for info in sups:
+            state = info.get("state", "?")
+            if state == "exited":
+                state += f" {info.get('exit_code')}: {info.get('reason', '')}"
+            else:
+                state += f" (beat {time.time() - float(info.get('time', 0)):.0f} s ago)"
+            who = f"pid {info.get('pid', '?')} on {info.get('host', '?')}"
+            lines.append(
+                f"  {info.get('node', '?'):<10}  {who:<30}  {info.get('attempt', '?'):>7}  {state}"
+            )
     beats = read_heartbeats(run_dir)
     if beats:
-        lines.append("  rank  attempt  step     phase       progress age    host")
+        lines.append("  rank  attempt  step     phase       progress age    node (host)")
         for b in beats:
             age = time.time() - progress_time(b)
             lines.append(
                 f"  {b['rank']:>4}  {b['attempt']:>7}  {b['step']:>6}   {b.get('phase', ''):<10}  "
-                f"{age:>10.1f} s   {b.get('host', '')}"
+                f"{age:>10.1f} s   {b.get('node', '')} ({b.get('host', '')})"
             )
     try:
         policy_file = os.path.join(run_dir, POLICY_NAME)
@@ -66,7 +81,8 @@ def render(run_dir: str) -> str:
         lines.append(f"  durable snapshots: cannot list ({err})")
     for e in [e for e in events if e["kind"] in ("incident", "restart", "hang", "gave_up")][-5:]:
         when = time.strftime("%H:%M:%S", time.localtime(float(e["time"])))
-        lines.append(f"  {when} attempt {e['attempt']} step {e['step']}: {e['kind']} "
+        where = f" on {e['details']['node']}" if "node" in e["details"] else ""
+        lines.append(f"  {when} attempt {e['attempt']} step {e['step']}{where}: {e['kind']} "
                      f"{_brief(e['details'])}")  # fmt: skip
     return "\n".join(lines)
 

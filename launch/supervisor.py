@@ -26,6 +26,7 @@ from typing import Any
 from tenacity import wait_exponential_jitter
 
 from launch.hangs import collect
+from launch.nodes import Ended, Peers, launcher_nodes
 from launch.outcomes import (
     CRASH,
     GAVE_UP,
@@ -52,10 +53,12 @@ from orchestrator.protocol import (
     EVENT_ATTEMPT_END,
     EVENT_ATTEMPT_START,
     EVENT_HANG,
+    EVENT_NODE_LOST,
     EVENT_RESTART,
     EVENT_SUPERVISOR_EXIT,
     EXIT_CRASH_LOOP,
     EXIT_GAVE_UP,
+    EXIT_NODE_LOST,
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_RESTARTS_EXHAUSTED,
@@ -88,18 +91,27 @@ class Supervisor:
         self._term_sent_at: float | None = None
         self._max_step: int | None = None  # highest step seen in the current attempt
         self._seen = Handles()  # every process seen under the current attempt
+        # The other nodes' supervisors (launch/nodes.py): one attempt id, one end.
+        self.nnodes = launcher_nodes(cmd, os.environ)
+        self.peers = Peers(self.run_dir, self.node, self.nnodes, self.sup.heartbeat_interval_s)
+        self._lost: str | None = None  # why the current attempt was stopped for a lost node
+        self._ended: Ended | None = None  # a peer that ended the job while we waited for it
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> int:
         """Run attempts until one succeeds or a stop rule fires; return the exit code."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self.peers.start()
+        code, why = 1, "the supervisor failed (see its traceback)"
         try:
-            return self._loop()
+            code, why = self._loop()
+            return code
         finally:
+            self.peers.exited(code, why)  # the other nodes stop with us (launch/nodes.py)
             for s, h in old.items():
                 signal.signal(s, h)
 
-    def _loop(self) -> int:
+    def _loop(self) -> tuple[int, str]:
         attempt = next_attempt_number(self.run_dir, self.node)
         self.journal = journal = Journal(self.run_dir, SUPERVISOR_RANK, attempt)
         restarts = unhealthy = 0
@@ -107,6 +119,7 @@ class Supervisor:
         try:
             while True:
                 journal.attempt = attempt
+                self.peers.at(attempt)
                 if self._signals:
                     return self._stop(journal, 128 + signal.SIGTERM, "stopped on request", best)
                 journal.write(
@@ -134,6 +147,8 @@ class Supervisor:
                 )
                 if a.outcome == OK:
                     return self._stop(journal, EXIT_OK, "finished", best)
+                if self._lost is not None:
+                    return self._stop(journal, EXIT_NODE_LOST, f"node lost: {self._lost}", best)
                 if self._signals:
                     code = EXIT_PREEMPTED if a.outcome == PREEMPTED else 128 + signal.SIGTERM
                     return self._stop(journal, code, "stopped on request (signal)", best)
@@ -146,6 +161,15 @@ class Supervisor:
                     )
                 if a.outcome == PREEMPTED:
                     return self._stop(journal, EXIT_PREEMPTED, "the workers were preempted", best)
+                ended = self._ended or (self.peers.ended() if self.nnodes > 1 else None)
+                if ended is not None:  # no use restarting: that node will not join
+                    return self._stop(
+                        journal,
+                        ended.exit_code,
+                        f"node {ended.node} ended the job ({ended.reason}; exit "
+                        f"{ended.exit_code}): this node stops with it",
+                        best,
+                    )
                 if a.outcome == UNHEALTHY:
                     unhealthy += 1
                     if unhealthy > self.sup.max_unhealthy:
@@ -186,6 +210,7 @@ class Supervisor:
                         "restart": restarts,
                         "next_attempt": attempt + 1,
                         "delay_s": round(delay, 3),
+                        "node": self.node,
                     },
                 )
                 self._say(
@@ -195,7 +220,8 @@ class Supervisor:
                 )
                 if self._wake.wait(delay) and self._signals:
                     return self._stop(journal, 128 + signal.SIGTERM, "stopped on request", best)
-                attempt += 1
+                # One past ours, or the attempt the other nodes are already in (launch/nodes.py).
+                attempt = max(attempt + 1, next_attempt_number(self.run_dir, self.node))
         finally:
             journal.close()
 
@@ -206,10 +232,12 @@ class Supervisor:
         state: Any = type("S", (), {"attempt_number": restart})()
         return float(wait(state)) if self.sup.backoff_s > 0 else 0.0
 
-    def _stop(self, journal: Journal, code: int, why: str, best: int) -> int:
-        journal.write(EVENT_SUPERVISOR_EXIT, best, {"exit_code": code, "reason": why})
+    def _stop(self, journal: Journal, code: int, why: str, best: int) -> tuple[int, str]:
+        journal.write(
+            EVENT_SUPERVISOR_EXIT, best, {"exit_code": code, "reason": why, "node": self.node}
+        )
         self._say(f"{why}; exit {code}")
-        return code
+        return code, why
 
     # --- one attempt ----------------------------------------------------------------------
     def _run_attempt(self, attempt: int) -> Attempt:
@@ -224,6 +252,7 @@ class Supervisor:
         }
         started = time.time()
         self._max_step = None
+        self._lost = self._ended = None
         with open(self._log_path(attempt), "ab") as log:
             try:
                 self._proc = proc = subprocess.Popen(
@@ -267,13 +296,22 @@ class Supervisor:
             ):
                 self._kill(signal.SIGKILL)
             beats = self._beats(attempt)  # one read: the hang event describes what it found
+            if not beats and self._waiting_for_nodes(attempt):
+                self._kill(signal.SIGTERM)  # nothing to lose: its workers have not started
+                try:
+                    proc.wait(self.sup.grace_s)
+                except subprocess.TimeoutExpired:
+                    self._kill(signal.SIGKILL)
+                return None
             stalled = self._stalled(beats, started)
             if stalled is not None:
                 behind = suspects(beats)
-                every_rank = [
+                every_rank = [  # every node's, for the culprit: the one outside the collective
                     b for b in read_heartbeats(self.run_dir) if b.get("attempt") == attempt
                 ]
-                stacks, named = collect(self.run_dir, attempt, beats, self._ask_stacks, every_rank)
+                stacks, named = collect(
+                    self.run_dir, attempt, self.node, beats, self._ask_stacks, every_rank
+                )
                 self.journal.write(
                     EVENT_HANG,
                     max(stalled.values(), default=-1),
@@ -314,6 +352,22 @@ class Supervisor:
             self._wake.clear()
         return None
 
+    def _waiting_for_nodes(self, attempt: int) -> bool:
+        """While our workers wait in the rendezvous: has a node stopped for good, or been
+        gone for node_timeout_s? (Then this attempt can never start.)"""
+        lost = self.peers.lost(self.sup.node_timeout_s)
+        ended = self.peers.ended(fresh=False) if self.nnodes > 1 else None
+        if lost is not None:
+            self._lost = lost
+            self.journal.write(
+                EVENT_NODE_LOST,
+                self._max_step if self._max_step is not None else -1,
+                {"why": lost, "nnodes": self.nnodes, "node_timeout_s": self.sup.node_timeout_s,
+                 "node": self.node, "host": self.host},
+            )  # fmt: skip
+        self._ended = ended
+        return lost is not None or ended is not None
+
     def _ask_stacks(self, beats: list[dict[str, Any]]) -> list[int]:
         """Signal the ranks of ``beats`` for their stacks, through the pidfds held since they
         were seen (never a recycled pid); returns the ranks reached."""
@@ -326,11 +380,7 @@ class Supervisor:
         self._seen.close()
 
     def _beats(self, attempt: int) -> list[dict[str, Any]]:
-        beats = [
-            b
-            for b in read_heartbeats(self.run_dir)
-            if b.get("attempt") == attempt and b.get("node", b.get("host")) == self.node
-        ]
+        beats = [b for b in read_heartbeats(self.run_dir, self.node) if b.get("attempt") == attempt]
         steps = [int(b["step"]) for b in beats]
         if steps:  # the highest step seen, even if a rollback lowers a rank's latest beat
             self._max_step = max(steps + ([self._max_step] if self._max_step is not None else []))

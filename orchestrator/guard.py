@@ -38,10 +38,10 @@ from orchestrator.incident import Incident
 from orchestrator.investigate import Investigation
 from orchestrator.journal import Decisions, Journal
 from orchestrator.keeper import StateKeeper
-from orchestrator.lifecycle import Lifecycle, check_memory, resolve_run_dir
+from orchestrator.lifecycle import Lifecycle, agree_attempt, check_memory, resolve_run_dir
 from orchestrator.metrics import Metrics
 from orchestrator.policy import Policy, load_policy
-from orchestrator.protocol import ENV_ATTEMPT, LEDGER_NAME
+from orchestrator.protocol import LEDGER_NAME
 from orchestrator.quarantine import Ledger
 from orchestrator.recovery import Recovery
 from orchestrator.snapshot import SnapshotRing
@@ -100,7 +100,7 @@ class Guard:
         )
         self.engine.check_policy(p)
         self.run_dir = resolve_run_dir(comm, run_dir, fresh, p)
-        self.attempt = int(os.environ.get(ENV_ATTEMPT, "0"))
+        self.attempt = agree_attempt(comm)
         self.global_step = 0  # committed steps so far = index of the next step (0-based)
         self.journal = Journal(self.run_dir, comm.global_rank, self.attempt)
         self._decide = Decisions(self.journal, comm.rank == 0)

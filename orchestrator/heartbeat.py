@@ -1,4 +1,5 @@
-"""Per-rank heartbeats in RUN_DIR/heartbeats/, read by the supervisor to detect hangs.
+"""Per-rank heartbeats in RUN_DIR/heartbeats/<node>/, read by that node's supervisor to
+detect hangs (each supervisor reads only its own node's ranks).
 
 The training thread only records its progress in memory: where it is in the step (``beat``
 at a commit, ``enter`` at backward and at the check) and when it got there; a clock read
@@ -23,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from orchestrator.protocol import ENV_SUPERVISOR_PID, HEARTBEAT_DIR, node_name
+from orchestrator.protocol import ENV_SUPERVISOR_PID, HEARTBEAT_DIR, node_name, node_path
 from orchestrator.stacks import arm, disarm, main_thread_id
 
 # Where a rank is in its step, in order. A rank blocked in a collective waits for the ranks
@@ -33,7 +34,7 @@ STEP_PHASES = ("train", "backward", "check")
 
 class Heartbeat:
     def __init__(self, run_dir: str, rank: int, attempt: int, interval_s: float) -> None:
-        self.dir = os.path.join(run_dir, HEARTBEAT_DIR)
+        self.dir = node_path(run_dir, HEARTBEAT_DIR, node_name())
         os.makedirs(self.dir, exist_ok=True)
         self.path = os.path.join(self.dir, f"rank{rank}.json")
         self.base = {
@@ -118,16 +119,32 @@ def suspects(beats: list[dict[str, Any]]) -> list[int]:
     return sorted(r for r, pos in at.items() if pos == behind)
 
 
-def read_heartbeats(run_dir: str) -> list[dict[str, Any]]:
-    """Every rank's latest beat (any attempt), sorted by rank."""
-    d = os.path.join(run_dir, HEARTBEAT_DIR)
-    beats = []
-    if os.path.isdir(d):
+def read_heartbeats(run_dir: str, node: str | None = None) -> list[dict[str, Any]]:
+    """Each rank's latest beat (any attempt), sorted by rank: of ``node``'s ranks, or of
+    every node (a rank that ran on several nodes across attempts: its newest beat)."""
+    top = os.path.join(run_dir, HEARTBEAT_DIR)
+    if node is not None:
+        dirs = [node_path(run_dir, HEARTBEAT_DIR, node)]
+    else:  # every node's folder, and the flat folder of older run directories
+        subs = sorted(os.listdir(top)) if os.path.isdir(top) else []
+        dirs = [top] + [os.path.join(top, s) for s in subs]
+    newest: dict[int, dict[str, Any]] = {}
+    for d in dirs:
+        if not os.path.isdir(d):
+            continue
         for name in os.listdir(d):
-            if name.startswith("rank") and name.endswith(".json"):
-                try:
-                    with open(os.path.join(d, name), encoding="utf-8") as f:
-                        beats.append(json.load(f))
-                except (OSError, ValueError):
-                    continue  # replaced while we read it: the next poll gets it
-    return sorted(beats, key=lambda b: int(b.get("rank", 0)))
+            if not (name.startswith("rank") and name.endswith(".json")):
+                continue
+            try:
+                with open(os.path.join(d, name), encoding="utf-8") as f:
+                    b = json.load(f)
+            except (OSError, ValueError):
+                continue  # replaced while we read it: the next poll gets it
+            r = int(b.get("rank", 0))
+            if r not in newest or _age_key(b) > _age_key(newest[r]):
+                newest[r] = b
+    return [newest[r] for r in sorted(newest)]
+
+
+def _age_key(beat: dict[str, Any]) -> tuple[int, float]:
+    return int(beat.get("attempt", 0)), float(beat.get("time", 0.0))

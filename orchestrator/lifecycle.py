@@ -20,7 +20,14 @@ from orchestrator.comm import Comm
 from orchestrator.cursor import DataCursor
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine
-from orchestrator.errors import GaveUp, PolicyError, Preempted, Unhealthy, UsageError
+from orchestrator.errors import (
+    GaveUp,
+    OrchestratorError,
+    PolicyError,
+    Preempted,
+    Unhealthy,
+    UsageError,
+)
 from orchestrator.health import HealthChecker
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.journal import Decisions, Journal, read_journal
@@ -59,6 +66,25 @@ def resolve_run_dir(comm: Comm, run_dir: str | None, fresh: bool, policy: Policy
         comm.broadcast_object(None)  # nobody opens the journal before the archive is done
     os.makedirs(chosen, exist_ok=True)
     return chosen
+
+
+def agree_attempt(comm: Comm) -> int:
+    """The attempt id every rank of the group runs under (each node's supervisor sets it).
+
+    Raises:
+        OrchestratorError: when the ranks' ids differ: their supervisors disagree (a node
+            came back late). The workers exit; the supervisors' next attempt agrees
+            (launch/nodes.py), so this costs one restart, never a mixed journal.
+    """
+    mine = int(os.environ.get(ENV_ATTEMPT, "0"))
+    ids = comm.all_gather_object(mine)
+    if len(set(ids)) > 1:
+        by_rank = {r: a for r, a in enumerate(ids)}
+        raise OrchestratorError(
+            f"the ranks started under different attempt ids ({by_rank}, by rank): their "
+            "nodes' supervisors disagree; exiting so that they restart together under one"
+        )
+    return mine
 
 
 def check_memory(policy: Policy, comm: Comm, engine: Engine) -> None:

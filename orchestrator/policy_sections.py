@@ -365,3 +365,9 @@ class SupervisorPolicy(_Section):
     heartbeat_interval_s: float = Field(
         2.0, gt=0, description="Each rank's writer thread writes its heartbeat this often."
     )
+    node_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Several nodes: how long an attempt waits for a node whose supervisor "
+        "is gone (or never started) before the job ends with exit 77.",
+    )

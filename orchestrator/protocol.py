@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import socket
 
 # --- environment: set by the supervisor, read by the Guard ---------------------------------
@@ -30,22 +31,32 @@ EXIT_PREEMPTED = 73  # stopped on request after a durable snapshot: requeue
 EXIT_CRASH_LOOP = 74  # attempts in a row made no progress: a bug or a broken node, not luck
 EXIT_RESTARTS_EXHAUSTED = 75  # supervisor.max_restarts spent
 EXIT_LOCKED = 76  # another supervisor runs this node of this run directory: do not requeue
+EXIT_NODE_LOST = 77  # a node's supervisor was not seen for supervisor.node_timeout_s
 
 # --- the run directory ----------------------------------------------------------------------
-JOURNAL_NAME = "journal.jsonl"  # one event per line, from every rank and the supervisor
+JOURNAL_DIR = "journal"  # journal/<node>.jsonl: one event per line, from each node's processes
+JOURNAL_NAME = "journal.jsonl"  # the single journal of run directories before per-node files
 LEDGER_NAME = "quarantine.jsonl"  # the quarantine ledger (default place)
 METRICS_NAME = "metrics.jsonl"  # rank 0's per-step metrics
 POLICY_NAME = "policy.yaml"  # the resolved policy
-HEARTBEAT_DIR = "heartbeats"  # heartbeats/rank<r>.json
+HEARTBEAT_DIR = "heartbeats"  # heartbeats/<node>/rank<r>.json (and .stack)
 ATTEMPTS_DIR = "attempts"  # attempts/<n>/ per-attempt logs (supervisor)
 SNAPSHOTS_DIR = "snapshots"  # durable snapshots (default persist.url)
 ARCHIVE_DIR = "archive"  # archive/<time>/: what earlier runs left, moved by launch --fresh
-SUPERVISORS_DIR = "supervisors"  # supervisors/<node>.lock: one supervisor per node (flock)
+# supervisors/<node>.lock: one supervisor per node (flock); supervisors/<node>.json: its
+# liveness, attempt and exit, read by the other nodes' supervisors.
+SUPERVISORS_DIR = "supervisors"
 
 
 def node_name() -> str:
     """This node's name: $ORCHESTRATOR_NODE, else the hostname."""
     return os.environ.get(ENV_NODE) or socket.gethostname()
+
+
+def node_path(run_dir: str, sub: str, node: str, suffix: str = "") -> str:
+    """``RUN_DIR/<sub>/<node><suffix>``, the node's name made safe for a file name."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", node) or "_"
+    return os.path.join(run_dir, sub, safe + suffix)
 
 
 def local_tier_key(run_dir: str) -> str:
@@ -68,4 +79,5 @@ EVENT_ATTEMPT_START = "attempt_start"
 EVENT_ATTEMPT_END = "attempt_end"
 EVENT_RESTART = "restart"
 EVENT_HANG = "hang"
+EVENT_NODE_LOST = "node_lost"
 EVENT_SUPERVISOR_EXIT = "supervisor_exit"

@@ -2,7 +2,7 @@
 
 At start each rank registers :mod:`faulthandler` on ``SIGUSR2`` (no Python code runs in
 the handler, so it answers even with the GIL held or the main thread blocked in C inside a
-collective), writing all its threads' stacks to ``heartbeats/rank<r>.stack``. On a hang
+collective), writing all its threads' stacks to ``heartbeats/<node>/rank<r>.stack``. On a hang
 the supervisor signals every rank of its node, gathers the stacks into
 ``RUN_DIR/hangs/attempt-<n>/`` and names the culprits: when one rank hangs, the others soon
 wait inside a ``torch.distributed`` collective further on, so the ranks whose training

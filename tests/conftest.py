@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from orchestrator.journal import load_journal
 from orchestrator.protocol import LEDGER_NAME
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,8 +97,10 @@ def train(
 
 
 def journal(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "journal.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every node's journal file, merged by time (a torn line fails the test)."""
+    events, torn = load_journal(str(run_dir))
+    assert not torn, f"torn journal lines in {run_dir}: {torn}"
+    return events
 
 
 def kinds(run_dir: Path, kind: str) -> list[dict[str, Any]]:

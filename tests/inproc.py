@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-from orchestrator import Guard, parse_policy
+from orchestrator import Guard, parse_policy, read_journal
 
 
 class Regression(Dataset):
@@ -71,5 +70,4 @@ def train(
 
 
 def events(run_dir: Path, kind: str) -> list[dict[str, Any]]:
-    lines = (run_dir / "journal.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+    return [e for e in read_journal(str(run_dir)) if e["kind"] == kind]

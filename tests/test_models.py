@@ -182,5 +182,5 @@ def test_policy_clip_with_deepspeed_is_refused_at_start(tmp_path: Path) -> None:
     d = tmp_path / "run"
     args = ["--engine", "zero1", "--steps", "2"]
     r = train(d, 2, *args, policy={**BASE, "clip": {"max_norm": CLIP}}, script=HF_EXAMPLE)
-    assert r.returncode != 0 and not (d / "journal.jsonl").exists()
+    assert r.returncode != 0 and not (d / "journal").exists()
     assert "clip.max_norm" in r.stdout and "gradient_clipping" in r.stdout

@@ -3,6 +3,7 @@ with a c10d rendezvous on 127.0.0.1, one rank per node. Black box, real signals.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,9 +15,21 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import EXAMPLE, REPO, assert_bitwise_equal, final_states, free_port, kinds
-from orchestrator.errors import EXIT_PREEMPTED
+from conftest import (
+    EXAMPLE,
+    REPO,
+    assert_bitwise_equal,
+    final_states,
+    free_port,
+    journal,
+    kinds,
+    run,
+)
+from launch.nodes import Peers, launcher_nodes
+from launch.outcomes import next_attempt_number
+from orchestrator.errors import EXIT_NODE_LOST, EXIT_PREEMPTED, EXIT_RESTARTS_EXHAUSTED
 from orchestrator.heartbeat import read_heartbeats
+from orchestrator.journal import Journal
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -24,13 +37,22 @@ FAST = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
 BASE = {"adjust": {"lr_factor": 1.0}, "persist": {"every_steps": 10}, "supervisor": FAST}
 
 
-def start_nodes(run_dir: Path, policy: dict[str, Any], *args: str) -> list[subprocess.Popen[str]]:
-    """Start both nodes' supervisors (node n0 and n1, one rank each, c10d rendezvous)."""
-    path = run_dir.parent / f"{run_dir.name}-policy.yaml"
-    path.write_text(yaml.safe_dump(policy))
+def start_nodes(
+    run_dir: Path,
+    policy: dict[str, Any],
+    *args: str,
+    nodes: tuple[int, ...] = (0, 1),
+    policies: dict[int, dict[str, Any]] | None = None,
+) -> list[subprocess.Popen[str]]:
+    """Start the nodes' supervisors (n0 and n1 of a 2-node job, one rank each, c10d
+    rendezvous); ``policies`` gives a node a policy of its own."""
     port = free_port()
     procs = []
-    for node in (0, 1):
+    for node in nodes:
+        own = (policies or {}).get(node)
+        suffix = f"-n{node}" if own else ""
+        path = run_dir.parent / f"{run_dir.name}-policy{suffix}.yaml"
+        path.write_text(yaml.safe_dump(own or policy))
         cmd = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
                "--run-dir", str(run_dir), "--", sys.executable, "-m", "torch.distributed.run",
                "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
@@ -77,6 +99,22 @@ def test_a_crash_on_one_node_restarts_both_bit_for_bit(tmp_path: Path) -> None:
     assert resumes[0]["details"]["snapshot_step"] in (30, 40)
     for a, b in zip(final_states(clean), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
+    # One journal file per node, and one merged view of them in status and report.
+    assert sorted(p.name for p in (d / "journal").iterdir()) == ["n0.jsonl", "n1.jsonl"]
+    times = [e["time"] for e in journal(d)]
+    assert times == sorted(times)
+    status = run([sys.executable, "-m", "launch.cli", "status", str(d)], timeout=60)
+    assert status.returncode == 0, status.stdout
+    for node in ("n0", "n1"):  # each node's supervisor, exited 0 after attempt 1
+        (row,) = [ln.split() for ln in status.stdout.splitlines() if ln.split()[:1] == [node]]
+        assert row[-3:-1] == ["exited", "0:"] and row[-4] == "1", status.stdout
+    assert "restarts 1 " in status.stdout  # one job-wide restart, journaled by both nodes
+    rep = run([sys.executable, "-m", "launch.cli", "report", str(d)], timeout=120)
+    assert rep.returncode == 0, rep.stdout
+    md = (d / "report.md").read_text()
+    assert "| nodes | 2: n0, n1 |" in md and "| restarts | 1 |" in md
+    rows = [ln for ln in md.splitlines() if "| restart |" in ln]
+    assert sorted(r.split(" on ")[1].split(" ")[0].rstrip(")|") for r in rows) == ["n0", "n1"]
 
 
 def test_a_hang_on_one_node_is_named_and_both_recover(tmp_path: Path) -> None:
@@ -160,3 +198,128 @@ def test_a_sigkilled_node_supervisor_is_replaced_and_the_job_finishes_bit_for_bi
     assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] in (10, 20, 30)
     for a, b in zip(final_states(clean), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
+
+
+def test_a_node_that_never_comes_ends_the_job_with_exit_77(tmp_path: Path) -> None:
+    """Only node 0 of a 2-node job starts: its attempt waits in the rendezvous until
+    supervisor.node_timeout_s, then the supervisor stops it and exits 77 naming the gap."""
+    d = tmp_path / "run"
+    policy = {**BASE, "supervisor": {**FAST, "node_timeout_s": 4.0}}
+    t0 = time.monotonic()
+    (r,) = finish(start_nodes(d, policy, "--steps", "20", nodes=(0,)))
+    assert r.returncode == EXIT_NODE_LOST, r.stdout[-3000:]
+    assert time.monotonic() - t0 < 60
+    (lost,) = kinds(d, "node_lost")
+    assert lost["details"]["nnodes"] == 2 and "never started" in lost["details"]["why"]
+    (end,) = kinds(d, "supervisor_exit")
+    assert end["details"]["exit_code"] == EXIT_NODE_LOST
+    assert json.loads((d / "supervisors" / "n0.json").read_text())["state"] == "exited"
+
+
+def test_a_node_that_stops_for_good_stops_the_others(tmp_path: Path) -> None:
+    """Node 1's supervisor may not restart (max_restarts: 0); after a crash it stops for
+    good, and node 0, instead of waiting for it in the next rendezvous, stops too with its
+    exit code (not 77 after node_timeout_s)."""
+    d = tmp_path / "run"
+    policy = {**BASE, "faults": [{"kind": "crash", "step": 12, "rank": 0}]}
+    n1 = {**policy, "supervisor": {**FAST, "max_restarts": 0}}
+    results = finish(start_nodes(d, policy, "--steps", "40", policies={1: n1}))
+    assert [r.returncode for r in results] == [EXIT_RESTARTS_EXHAUSTED] * 2, [
+        r.stdout[-2000:] for r in results
+    ]
+    exits = {e["details"]["node"]: e["details"] for e in kinds(d, "supervisor_exit")}
+    assert "n1" in exits["n0"]["reason"] and exits["n1"]["exit_code"] == EXIT_RESTARTS_EXHAUSTED
+    assert kinds(d, "node_lost") == []
+
+
+def test_the_launcher_command_gives_the_node_count() -> None:
+    torchrun = ["torchrun", "--nproc-per-node", "8", "train.py"]
+    assert launcher_nodes(["torchrun", "--nnodes", "4", *torchrun[1:]], {}) == 4
+    assert launcher_nodes(["torchrun", "--nnodes=2:4", *torchrun[1:]], {}) == 2  # elastic: min
+    assert launcher_nodes(["deepspeed", "--num_nodes", "3", "train.py"], {}) == 3
+    assert launcher_nodes(torchrun, {"SLURM_NNODES": "16"}) == 16  # one supervisor per srun task
+    assert launcher_nodes(torchrun, {}) == 1
+
+
+def test_a_node_back_late_joins_the_attempt_the_others_are_in(tmp_path: Path) -> None:
+    """Attempt ids from every node's journal: a node resumes one past its own attempts, or
+    joins the attempt another node has started, whichever is higher."""
+    d = str(tmp_path)
+
+    def start(node: str, attempt: int) -> None:
+        os.environ["ORCHESTRATOR_NODE"] = node  # Journal writes to this node's file
+        j = Journal(d, -1, attempt)
+        j.write("attempt_start", 0, {"node": node})
+        j.close()
+
+    saved = os.environ.get("ORCHESTRATOR_NODE")
+    try:
+        start("n0", 0)
+        start("n1", 0)
+        for a in (1, 2, 3):  # node 1 is gone; node 0 keeps restarting
+            start("n0", a)
+        assert next_attempt_number(d, "n1") == 3  # joins node 0's attempt 3
+        assert next_attempt_number(d, "n0") == 4
+        assert next_attempt_number(d, "n2") == 3  # a node never seen before too
+    finally:
+        os.environ.pop("ORCHESTRATOR_NODE")
+        if saved is not None:
+            os.environ["ORCHESTRATOR_NODE"] = saved
+
+
+def test_peers_judge_liveness_by_change_not_by_clock(tmp_path: Path) -> None:
+    d = str(tmp_path)
+    n0 = Peers(d, "n0", nnodes=2, interval_s=0.1)
+    n0.stale_s, n0.poll_s = 0.5, 0.0
+    n1 = Peers(d, "n1", nnodes=2, interval_s=0.1)
+    n1.start()
+    n0.start()
+    assert n0.lost(timeout_s=0.3) is None and n0.ended() is None
+    n1._stop.set()  # node 1's supervisor freezes: its file stops changing
+    n1._thread.join()  # type: ignore[union-attr]
+    deadline = time.monotonic() + 10
+    while (why := n0.lost(timeout_s=0.3)) is None:  # bounded poll
+        assert time.monotonic() < deadline, "a frozen peer was never judged lost"
+        time.sleep(0.05)
+    assert "n1 (host" in why and "node_timeout_s=0.3" in why
+    n1.exited(74, "crash loop")
+    ended = n0.ended()
+    assert ended is not None and (ended.node, ended.exit_code) == ("n1", 74)
+    # A supervisor started later on the same run directory ignores that earlier exit.
+    again = Peers(d, "n0", nnodes=2, interval_s=0.1)
+    again.start()
+    assert again.ended() is None
+    for p in (n0, again):
+        p.exited(0, "test over")
+
+
+AGREE = """
+import os, torch.distributed as dist
+from orchestrator.comm import Comm
+from orchestrator.lifecycle import agree_attempt
+dist.init_process_group("gloo")
+os.environ["ORCHESTRATOR_ATTEMPT"] = os.environ["RANK"] if os.environ["SPLIT"] == "1" else "5"
+try:
+    said = f"agreed {agree_attempt(Comm(None))}"
+except Exception as err:
+    said = f"refused {type(err).__name__} {err}"
+with open(os.path.join(os.environ["OUT"], "rank" + os.environ["RANK"]), "w") as f:
+    f.write(said)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("split", ["0", "1"])
+def test_ranks_under_different_attempt_ids_refuse_to_start(tmp_path: Path, split: str) -> None:
+    script = tmp_path / "agree.py"
+    script.write_text(AGREE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), str(script)]  # fmt: skip
+    r = run(cmd, env={"SPLIT": split, "OUT": str(tmp_path)}, timeout=120)
+    assert r.returncode == 0, r.stdout
+    said = [(tmp_path / f"rank{k}").read_text() for k in (0, 1)]
+    if split == "0":
+        assert said == ["agreed 5"] * 2
+    else:
+        for s in said:  # every rank refuses, naming each rank's id
+            assert s.startswith("refused OrchestratorError") and "{0: 0, 1: 1}" in s, s

@@ -54,11 +54,13 @@ def test_report_of_the_demo(demo: Path, tmp_path: Path) -> None:
 def test_report_survives_a_torn_journal_line(demo: Path, tmp_path: Path) -> None:
     torn = tmp_path / "run"
     shutil.copytree(demo, torn)
-    lines = (torn / "journal.jsonl").read_text().splitlines()
-    with open(torn / "journal.jsonl", "a") as f:
+    (path,) = (torn / "journal").glob("*.jsonl")
+    lines = path.read_text().splitlines()
+    with open(path, "a") as f:
         f.write('{"time": 1795400000.0, "kind": "incid')  # a crash mid-write
     md = report(torn, tmp_path / "out")
-    assert f"1 journal line(s) could not be read and were skipped (line {len(lines) + 1}" in md
+    where = f"journal/{path.name}:{len(lines) + 1}"
+    assert f"1 journal line(s) could not be read and were skipped ({where};" in md
     assert any(" | 37 | incident | " in line for line in md.splitlines())  # the rest is there
 
 
@@ -89,7 +91,8 @@ def test_metrics_lost_in_a_crash_are_a_gap_not_a_line(tmp_path: Path) -> None:
         {"step": s, "loss": 2.0 - s / 100, "grad_norm": 1.0} for s in [*range(10), *range(30, 40)]
     ]
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "journal.jsonl").write_text("")
+    (d / "journal").mkdir()
+    (d / "journal" / "n0.jsonl").write_text("")
     md_path, png = write_report(str(d))
     assert png is not None and Path(png).read_bytes()[:4] == b"\x89PNG"
     assert (

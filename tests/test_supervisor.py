@@ -235,7 +235,7 @@ def test_fresh_starts_over_and_keeps_the_earlier_run(tmp_path: Path) -> None:
     (end,) = kinds(d, "run_end")
     assert end["details"]["steps"] == 6
     (archived,) = (d / "archive").iterdir()
-    assert (archived / "journal.jsonl").exists()
+    assert list((archived / "journal").glob("*.jsonl"))
     assert (archived / "snapshots" / "step_000000006" / "COMMITTED").exists()
 
 

@@ -196,7 +196,7 @@ def test_journal_skips_torn_last_line(tmp_path: Path) -> None:
     j = Journal(str(tmp_path), rank=0, attempt=2)
     j.write("incident", 5, {"reason": "x"})
     j.close()
-    with open(tmp_path / "journal.jsonl", "a") as f:
+    with open(j.path, "a") as f:
         f.write('{"kind": "rollb')  # a crash mid-write
     (e,) = list(read_journal(str(tmp_path)))
     assert (e["kind"], e["step"], e["attempt"], e["details"]) == ("incident", 5, 2, {"reason": "x"})

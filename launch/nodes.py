@@ -1,0 +1,211 @@
+"""The supervisors of one job's nodes, agreeing through the run directory.
+
+Each node's supervisor writes ``RUN_DIR/supervisors/<node>.json`` (its pid, host, attempt,
+state and, at the end, its exit code) every ``heartbeat_interval_s``, and reads the other
+nodes' files. That is all the coordination there is: the shared file system Slurm clusters
+have, no server of our own. The workers meet in torchrun's rendezvous as before.
+
+- **One attempt id**: a supervisor starts its next attempt at the highest attempt any node
+  has started, or one past its own, whichever is higher (``outcomes.next_attempt_number``),
+  so a node that comes back late joins the attempt the others wait in. The Guard checks it
+  at start (all ranks' attempt ids must match; if not they exit and the next restart agrees).
+- **One end**: a node whose supervisor stops for good (gave up, unhealthy, crash loop, lost
+  a node) says so in its file; the others stop with the same exit code instead of waiting
+  for it in the rendezvous.
+- **A lost node**: when fewer than the launcher's node count have a live supervisor for
+  ``supervisor.node_timeout_s``, the job ends with exit 77 naming the missing nodes.
+
+Liveness is judged by change, on this node's own clock: a peer is alive while its file keeps
+changing (a sequence number), so clocks that disagree between hosts do not matter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.protocol import SUPERVISORS_DIR, node_path
+
+RUNNING, EXITED = "running", "exited"
+
+
+def launcher_nodes(cmd: Sequence[str], env: Mapping[str, str]) -> int:
+    """The job's node count, from the launcher command (torchrun ``--nnodes N`` or
+    ``MIN:MAX``, deepspeed ``--num_nodes N``), else Slurm's step variables under ``srun``,
+    else 1. An elastic range counts its minimum: the job can run with that many."""
+    for i, arg in enumerate(cmd):
+        name, eq, value = arg.partition("=")
+        if name not in ("--nnodes", "--num_nodes", "--num-nodes"):
+            continue
+        value = value if eq else (cmd[i + 1] if i + 1 < len(cmd) else "")
+        m = re.fullmatch(r"(\d+)(?::\d+)?", value)
+        if m:
+            return max(1, int(m.group(1)))
+    for var in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES"):
+        if env.get(var, "").isdigit():
+            return max(1, int(env[var]))
+    return 1
+
+
+def supervisors(run_dir: str) -> list[dict[str, Any]]:
+    """Every node's supervisor file (``orchestrator status`` shows them)."""
+    d = os.path.join(run_dir, SUPERVISORS_DIR)
+    out = []
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(d, name), encoding="utf-8") as f:
+                    out.append(dict(json.load(f)))
+            except (OSError, ValueError):
+                continue  # being replaced: the next look reads it
+    return out
+
+
+@dataclass
+class Ended:
+    """A peer's supervisor that stopped for good at or after our attempt."""
+
+    node: str
+    exit_code: int
+    reason: str
+
+
+class Peers:
+    """This node's supervisor file (written by a thread) and what the others' say."""
+
+    def __init__(self, run_dir: str, node: str, nnodes: int, interval_s: float) -> None:
+        self.run_dir, self.node, self.nnodes = run_dir, node, nnodes
+        self.interval_s = interval_s
+        self.stale_s = max(10.0, 5 * interval_s)  # no change for this long: not alive
+        self.path = node_path(run_dir, SUPERVISORS_DIR, node, ".json")
+        self._mine: dict[str, Any] = {
+            "node": node,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "attempt": -1,
+            "state": RUNNING,
+            "seq": 0,
+        }
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        # node -> (its last (pid, seq), when we saw it change, on our monotonic clock)
+        self._seen: dict[str, tuple[tuple[Any, Any], float]] = {}
+        self._complete_at = time.monotonic()  # the last time every node was alive
+        self._old: set[tuple[str, Any]] = set()  # peers already exited when we started
+        # Reading every node's file is for when it matters (an attempt waiting for its
+        # nodes), and at most every poll_s: 250 nodes polling 250 files stays cheap.
+        self.poll_s = max(interval_s, 2.0)
+        self._polled_at = -float("inf")
+        self._verdict: str | None = None
+        self._last_read: dict[str, dict[str, Any]] = {}
+
+    # --- our own file --------------------------------------------------------------------------
+    def start(self) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._old = {
+            (n, i.get("pid")) for n, i in self.others().items() if i.get("state") == EXITED
+        }
+        self._write()
+        self._thread = threading.Thread(target=self._run, name="supervisor-beat", daemon=True)
+        self._thread.start()
+
+    def at(self, attempt: int) -> None:
+        with self._lock:
+            self._mine["attempt"] = attempt
+        self._write()
+
+    def exited(self, code: int, reason: str) -> None:
+        """Stop beating and say how this node's supervisor ended (read by the others)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            self._mine.update(state=EXITED, exit_code=code, reason=reason)
+        self._write()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._write()
+            except OSError:
+                pass  # a full disk: the others see us stale, which is the truth
+
+    def _write(self) -> None:
+        with self._lock:
+            self._mine["seq"] += 1
+            self._mine["time"] = time.time()
+            data = json.dumps(self._mine)
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(data)
+            os.replace(tmp, self.path)  # a reader never sees half a file
+
+    # --- the others ----------------------------------------------------------------------------
+    def others(self) -> dict[str, dict[str, Any]]:
+        return {
+            str(i.get("node")): i for i in supervisors(self.run_dir) if i.get("node") != self.node
+        }
+
+    def ended(self, fresh: bool = True) -> Ended | None:
+        """A peer that stopped for good since we started (exits we found at start belong to
+        an earlier job on this run directory, which the same commands are resuming).
+        ``fresh=False``: from the files as last read by :meth:`lost` (a cheap poll)."""
+        for node, info in (self.others() if fresh else self._last_read).items():
+            if info.get("state") == EXITED and (node, info.get("pid")) not in self._old:
+                return Ended(node, int(info.get("exit_code", 1)), str(info.get("reason", "")))
+        return None
+
+    def lost(self, timeout_s: float) -> str | None:
+        """Why the job cannot go on, when fewer than ``nnodes`` supervisors have been alive
+        for ``timeout_s``; None otherwise (and always for one node). Reads the files at most
+        every ``poll_s``."""
+        if self.nnodes <= 1:
+            return None
+        now = time.monotonic()
+        if now - self._polled_at < self.poll_s:
+            return self._verdict
+        if now - self._polled_at > 3 * self.poll_s + 1.0:  # not watched for a while: afresh
+            self._seen.clear()
+            self._complete_at = now
+        self._polled_at = now
+        self._verdict = self._judge(now, timeout_s)
+        return self._verdict
+
+    def _judge(self, now: float, timeout_s: float) -> str | None:
+        self._last_read = others = self.others()
+        alive, stale = [], []
+        for node, info in others.items():
+            key = (info.get("pid"), info.get("seq"))
+            last = self._seen.get(node)
+            if last is None or last[0] != key:
+                self._seen[node] = (key, now)
+            changed_at = self._seen[node][1]
+            if info.get("state") == RUNNING and now - changed_at <= self.stale_s:
+                alive.append(node)
+            else:
+                stale.append(
+                    f"{node} (host {info.get('host')}, pid {info.get('pid')}, "
+                    f"{info.get('state')}, unchanged for {now - changed_at:.0f} s)"
+                )
+        if 1 + len(alive) >= self.nnodes:
+            self._complete_at = now
+            return None
+        if now - self._complete_at <= timeout_s:
+            return None
+        never = self.nnodes - 1 - len(others)
+        return (
+            f"{1 + len(alive)} of {self.nnodes} nodes have a live supervisor for "
+            f"{now - self._complete_at:.0f} s (supervisor.node_timeout_s={timeout_s:g})"
+            + (f"; not alive: {', '.join(stale)}" if stale else "")
+            + (f"; {never} node(s) never started one in this run directory" if never > 0 else "")
+            + ": bring the node back (or replace it) and start the same command there, or "
+            "requeue the job; the run resumes from its newest durable snapshot"
+        )
