@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.protocol import SUPERVISORS_DIR, node_path
+from orchestrator.rundir import write_atomic
 
 RUNNING, EXITED = "running", "exited"
 
@@ -142,11 +143,7 @@ class Peers:
         with self._lock:
             self._mine["seq"] += 1
             self._mine["time"] = time.time()
-            data = json.dumps(self._mine)
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(data)
-            os.replace(tmp, self.path)  # a reader never sees half a file
+            write_atomic(self.path, json.dumps(self._mine))
 
     # --- the others ----------------------------------------------------------------------------
     def others(self) -> dict[str, dict[str, Any]]:

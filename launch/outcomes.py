@@ -6,6 +6,7 @@ exited with, from the journal events the workers wrote for that attempt.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +18,13 @@ from orchestrator.protocol import (
     EVENT_PREEMPTED,
     EVENT_PREEMPTING,
     EVENT_UNHEALTHY,
+    EXCLUDE_NAME,
     EXIT_GAVE_UP,
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_UNHEALTHY,
 )
+from orchestrator.rundir import write_atomic
 
 OK, GAVE_UP, UNHEALTHY, PREEMPTED, CRASH, HANG = (
     "ok",
@@ -76,6 +79,22 @@ def last_journaled_step(run_dir: str, attempt: int) -> int | None:
         if e.get("attempt") == attempt and e.get("rank", -1) >= 0 and e.get("step") is not None
     ]
     return max(steps, default=None)
+
+
+def exclude_hosts(run_dir: str) -> list[str]:
+    """Add the hosts the health checks named (every ``unhealthy`` event) to
+    ``RUN_DIR/exclude_hosts``, one per line, for the scheduler to leave out on requeue
+    (launch/slurm.sbatch passes them to ``--exclude``); returns the file's hosts."""
+    path = os.path.join(run_dir, EXCLUDE_NAME)
+    hosts: set[str] = set()
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            hosts = {line.strip() for line in f if line.strip()}
+    for e in read_journal(run_dir):
+        if e.get("kind") == EVENT_UNHEALTHY:
+            hosts.update(str(h) for h in e["details"].get("hosts", []))
+    write_atomic(path, "".join(f"{h}\n" for h in sorted(hosts)))
+    return sorted(hosts)
 
 
 def node_of(event: dict[str, Any]) -> Any:

@@ -36,6 +36,7 @@ from launch.outcomes import (
     UNHEALTHY,
     Attempt,
     classify,
+    exclude_hosts,
     history,
     last_journaled_step,
     next_attempt_number,
@@ -173,6 +174,7 @@ class Supervisor:
                 if a.outcome == UNHEALTHY:
                     unhealthy += 1
                     if unhealthy > self.sup.max_unhealthy:
+                        exclude_hosts(self.run_dir)  # the scheduler requeues without them
                         return self._stop(
                             journal,
                             EXIT_UNHEALTHY,

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from orchestrator.protocol import ENV_SUPERVISOR_PID, HEARTBEAT_DIR, node_name, node_path
+from orchestrator.rundir import write_atomic
 from orchestrator.stacks import arm, disarm, main_thread_id
 
 # Where a rank is in its step, in order. A rank blocked in a collective waits for the ranks
@@ -95,10 +96,7 @@ class Heartbeat:
         beat = {**self.base, "step": step, "phase": phase, "progress_time": progress}
         beat["time"] = time.time()
         with self._lock:
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(beat, f)
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(beat))
 
 
 def progress_time(beat: dict[str, Any]) -> float:

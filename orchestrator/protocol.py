@@ -42,6 +42,7 @@ POLICY_NAME = "policy.yaml"  # the resolved policy
 HEARTBEAT_DIR = "heartbeats"  # heartbeats/<node>/rank<r>.json (and .stack)
 ATTEMPTS_DIR = "attempts"  # attempts/<n>/ per-attempt logs (supervisor)
 SNAPSHOTS_DIR = "snapshots"  # durable snapshots (default persist.url)
+EXCLUDE_NAME = "exclude_hosts"  # hosts the health checks named: leave them out on requeue
 ARCHIVE_DIR = "archive"  # archive/<time>/: what earlier runs left, moved by launch --fresh
 # supervisors/<node>.lock: one supervisor per node (flock); supervisors/<node>.json: its
 # liveness, attempt and exit, read by the other nodes' supervisors.

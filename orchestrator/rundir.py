@@ -14,13 +14,18 @@ from orchestrator.policy import Policy
 from orchestrator.protocol import ARCHIVE_DIR, SUPERVISORS_DIR, local_tier_key
 
 
-def write_policy(path: str, policy: Policy) -> None:
-    """The resolved policy as YAML, atomically: a reader (the other half, ``status``) sees
-    the old file or the new one, never half of one."""
+def write_atomic(path: str, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically: a reader in another process sees the old
+    file or the new one, never half of one."""
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        yaml.safe_dump(policy.model_dump(mode="json"), f, sort_keys=False)
+        f.write(text)
     os.replace(tmp, path)
+
+
+def write_policy(path: str, policy: Policy) -> None:
+    """The resolved policy as YAML, atomically (the other half and ``status`` read it)."""
+    write_atomic(path, yaml.safe_dump(policy.model_dump(mode="json"), sort_keys=False))
 
 
 def archive_run_dir(run_dir: str, policy: Policy) -> list[str]:

@@ -1,0 +1,207 @@
+"""launch/slurm.sbatch on a real one-node Slurm cluster (slurmctld + slurmd, Debian's
+slurm-wlm, started here with its own config and ports; auth/none instead of munge, which
+only signs messages between the daemons). Skipped when Slurm is not installed (.ci/run
+installs it). One node only: Debian's slurmd is built without --enable-multiple-slurmd, so
+the multi-node path of the script is covered by tests/test_nodes.py, not here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import EXAMPLE, REPO, free_port, kinds
+from orchestrator.errors import EXIT_PREEMPTED, EXIT_UNHEALTHY
+from orchestrator.heartbeat import read_heartbeats
+
+pytestmark = [
+    pytest.mark.timeout(400),
+    pytest.mark.skipif(
+        not all(map(shutil.which, ("slurmctld", "slurmd", "sbatch"))),
+        reason="Slurm is not installed (apt-get install slurmctld slurmd slurm-client)",
+    ),
+]
+
+CONF = """ClusterName=orchestrator-test
+SlurmctldHost={host}
+AuthType=auth/none
+CredType=cred/none
+SlurmUser=root
+SlurmdUser=root
+SlurmctldPort={ctld_port}
+SlurmdPort={d_port}
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+MpiDefault=none
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+NodeName={host} CPUs={cpus} RealMemory=1000 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def _wait(what: str, ok: Callable[[], Any], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():  # bounded poll
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A one-node cluster on this machine; yields the environment that points at it."""
+    d = tmp_path_factory.mktemp("slurm")
+    (d / "state").mkdir()
+    (d / "spool").mkdir()
+    host = socket.gethostname()
+    (d / "slurm.conf").write_text(
+        CONF.format(
+            host=host, ctld_port=free_port(), d_port=free_port(), d=d, cpus=os.cpu_count() or 2
+        )
+    )
+    env = {**os.environ, "SLURM_CONF": str(d / "slurm.conf")}
+    daemons = [
+        subprocess.Popen(
+            [cmd, "-D", *extra],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for cmd, extra in (("slurmctld", ["-i"]), ("slurmd", []))
+    ]
+
+    def idle() -> bool:
+        out = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, check=False
+        )
+        return out.stdout.strip() == "idle"
+
+    try:
+        _wait("the Slurm node to come up idle", idle, timeout_s=60)
+        yield env
+    finally:
+        subprocess.run(["scancel", "--user", "root"], env=env, check=False)
+        for p in daemons:
+            os.killpg(p.pid, signal.SIGTERM)
+        for p in daemons:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def sbatch(slurm: dict[str, str], tmp: Path, policy: dict[str, Any], *args: str) -> str:
+    """Submit launch/slurm.sbatch for one node, two ranks; returns the job id."""
+    (tmp / "policy.yaml").write_text(yaml.safe_dump(policy))
+    env = {
+        **slurm,
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # torchrun, orchestrator
+        "OMP_NUM_THREADS": "1",
+        "RUN_DIR": str(tmp / "run"),
+        "POLICY": str(tmp / "policy.yaml"),
+        "NPROC_PER_NODE": "2",
+        "RDZV_PORT": str(free_port()),
+    }
+    r = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--nodes=1",
+            f"--output={tmp / 'job.out'}",
+            str(REPO / "launch" / "slurm.sbatch"),
+            str(EXAMPLE),
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip().split(";")[0]
+
+
+def job(slurm: dict[str, str], job_id: str) -> dict[str, str]:
+    """``scontrol show job`` as a dict (JobState, Restarts, ExcNodeList, ...)."""
+    out = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id],
+        env=slurm,
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+FAST = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
+
+
+def test_scancel_term_preempts_and_the_requeued_job_resumes(
+    slurm: dict[str, str], tmp_path: Path
+) -> None:
+    """`scancel --signal=TERM`, as a preempting scheduler does: the supervisor's workers
+    write a durable snapshot and it exits 73, the script requeues the job, and the same job
+    (same id, same run directory) resumes from that snapshot and finishes."""
+    policy = {"adjust": {"lr_factor": 1.0}, "persist": {"every_steps": 1000}, "supervisor": FAST}
+    job_id = sbatch(slurm, tmp_path, policy, "--steps", "300")
+    d = tmp_path / "run"
+    _wait("training", lambda: any(b["step"] >= 20 for b in read_heartbeats(str(d))))
+    subprocess.run(["scancel", "--signal=TERM", job_id], env=slurm, check=True)
+    _wait("the requeue", lambda: job(slurm, job_id).get("Restarts") == "1")
+    (exit_event,) = kinds(d, "supervisor_exit")
+    assert exit_event["details"]["exit_code"] == EXIT_PREEMPTED
+    # A requeued job waits before it is eligible again; this test does not.
+    subprocess.run(
+        ["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm, check=True
+    )
+    _wait("the job to finish", lambda: job(slurm, job_id).get("JobState") == "COMPLETED", 240)
+    (pre,) = kinds(d, "preempted")
+    assert pre["details"]["persisted"] is True
+    (resume,) = kinds(d, "resume")
+    assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] == pre["step"]
+    assert kinds(d, "run_end")[-1]["details"]["steps"] == 300
+    assert [e["details"]["exit_code"] for e in kinds(d, "supervisor_exit")] == [73, 0]
+
+
+def test_an_unhealthy_host_is_excluded_on_requeue(slurm: dict[str, str], tmp_path: Path) -> None:
+    """The health check fails on this host (corrupt_allreduce); the supervisor exits 72
+    after writing the host to RUN_DIR/exclude_hosts, and the script requeues the job with
+    that host excluded (here the only one: the job then waits, and is cancelled)."""
+    policy = {
+        "health": {"preflight": True, "timeout_s": 20.0},
+        "supervisor": {**FAST, "max_unhealthy": 0},
+        "faults": [{"kind": "corrupt_allreduce", "rank": 1}],
+    }
+    job_id = sbatch(slurm, tmp_path, policy, "--steps", "20")
+    d = tmp_path / "run"
+    _wait("the requeue", lambda: job(slurm, job_id).get("Restarts") == "1", 180)
+    (exit_event,) = kinds(d, "supervisor_exit")
+    assert exit_event["details"]["exit_code"] == EXIT_UNHEALTHY
+    host = socket.gethostname()
+    assert (d / "exclude_hosts").read_text() == f"{host}\n"
+    info = job(slurm, job_id)
+    assert info["ExcNodeList"] == host and info["JobState"] == "PENDING", info
+    subprocess.run(["scancel", job_id], env=slurm, check=True)
