@@ -96,15 +96,15 @@ def _brief(details: dict[str, Any]) -> str:
 
 
 def follow(run_dir: str, interval: float = 2.0) -> int:
-    """Redraw the status in place every ``interval`` seconds until the supervisor exits
-    (or Ctrl-C)."""
+    """Redraw the status in place every ``interval`` seconds until every node's supervisor
+    has exited (or Ctrl-C)."""
     try:
         while True:
             screen = render(run_dir)
             print("\x1b[H\x1b[2J" + screen, flush=True)  # home, clear: refresh in place
-            events = list(read_journal(run_dir)) if os.path.isdir(run_dir) else []
-            if events and events[-1]["kind"] in ("supervisor_exit",):
-                return 0
+            sups = supervisors(run_dir)
+            if sups and all(s.get("state") == "exited" for s in sups):
+                return 0  # every node's supervisor has stopped
             time.sleep(interval)
     except KeyboardInterrupt:
         return 0

@@ -139,7 +139,6 @@ def test_a_hang_on_one_node_is_named_and_both_recover(tmp_path: Path) -> None:
     assert kinds(d, "run_end")[-1]["details"]["steps"] == 50
 
 
-@pytest.mark.matrix  # 25 s of CI; one node's preemption is in test_supervisor.py
 def test_preempting_both_nodes_snapshots_and_the_same_commands_resume(tmp_path: Path) -> None:
     d = tmp_path / "run"
     policy = {**BASE, "persist": {"every_steps": 1000}}  # only the preemption persists
