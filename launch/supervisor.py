@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -50,6 +51,7 @@ from orchestrator.protocol import (
     ENV_ATTEMPT,
     ENV_POLICY,
     ENV_RUN_DIR,
+    ENV_SHM_DIR,
     ENV_SUPERVISOR_PID,
     EVENT_ATTEMPT_END,
     EVENT_ATTEMPT_START,
@@ -66,6 +68,7 @@ from orchestrator.protocol import (
     EXIT_UNHEALTHY,
     POLICY_NAME,
     node_name,
+    shm_root,
 )
 from orchestrator.rundir import write_policy
 from orchestrator.stacks import STACK_SIGNAL
@@ -95,6 +98,9 @@ class Supervisor:
         # The other nodes' supervisors (launch/nodes.py): one attempt id, one end.
         self.nnodes = launcher_nodes(cmd, os.environ)
         self.peers = Peers(self.run_dir, self.node, self.nnodes, self.sup.heartbeat_interval_s)
+        # The node's shared-memory ring (snapshot.shared_memory): kept across attempts,
+        # removed when this supervisor stops for good.
+        self.shm_dir = shm_root(policy.snapshot.shm_dir, self.run_dir, self.node)
         self._lost: str | None = None  # why the current attempt was stopped for a lost node
         self._ended: Ended | None = None  # a peer that ended the job while we waited for it
 
@@ -108,6 +114,7 @@ class Supervisor:
             code, why = self._loop()
             return code
         finally:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
             self.peers.exited(code, why)  # the other nodes stop with us (launch/nodes.py)
             for s, h in old.items():
                 signal.signal(s, h)
@@ -251,6 +258,7 @@ class Supervisor:
             ENV_RUN_DIR: self.run_dir,
             ENV_ATTEMPT: str(attempt),
             ENV_SUPERVISOR_PID: str(os.getpid()),
+            ENV_SHM_DIR: self.shm_dir,
         }
         started = time.time()
         self._max_step = None

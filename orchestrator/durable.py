@@ -26,6 +26,7 @@ from orchestrator.journal import Journal
 from orchestrator.policy import Policy
 from orchestrator.protocol import local_tier_key
 from orchestrator.retry import storage_retry
+from orchestrator.shm import ShmSlots
 from orchestrator.snapshot import Snapshot
 from orchestrator.store import DurableStore, default_url
 from orchestrator.writer import LocalTier, Persister
@@ -44,8 +45,11 @@ class DurableTier:
         journal: Journal,
         faults: FaultInjector,
         event: Callable[..., None],
+        shm: ShmSlots | None = None,
     ) -> None:
         self.policy = policy.persist
+        self.shm = shm  # the ring's shared-memory slots, when snapshot.shared_memory
+        self.refused: list[str] = []  # why newer snapshots were not resumed from
         self.comm = comm
         self.engine = engine
         self.faults = faults
@@ -207,7 +211,11 @@ class DurableTier:
         if self.comm.rank == 0:
             listing = [(c.step, c.manifest) for c in self.store.candidates() if c.committed]
         listing = self.comm.broadcast_object(listing)
-        local = self._find_local(newest_remote=listing[0][0] if listing else -1)
+        newest_remote = listing[0][0] if listing else -1
+        in_shm = self._find_shm(newest_remote)
+        if in_shm is not None:
+            return in_shm
+        local = self._find_local(newest_remote)
         if local is not None:
             return local
         rejected: list[tuple[int, list[str]]] = []
@@ -228,6 +236,34 @@ class DurableTier:
                 "persist.url; to keep them, check the storage and run "
                 f"`orchestrator snapshots {self.store.url}`"
             )
+        return None
+
+    def _find_shm(self, newest_remote: int) -> Resumable | None:
+        """The node's shared-memory ring: the newest step every rank has sealed there whose
+        bytes match their checksum on every rank, if not older than the newest durable
+        snapshot. Refused slots are said in ``self.refused`` (the resume event shows it)."""
+        if self.shm is None:
+            return None
+        steps, refused = self.shm.candidates()
+        seen = self.comm.all_gather_object((sorted(steps), refused))
+        self.refused = [f"rank {r}: {why}" for r, (_, said) in enumerate(seen) for why in said]
+        common = set.intersection(*(set(s) for s, _ in seen))
+        for step in sorted(common, reverse=True):
+            if step < newest_remote:
+                break
+            why = self.shm.check(steps[step])
+            tree = None
+            if why is None:
+                try:
+                    tree = self.shm.load(steps[step])
+                except Exception as err:  # never raises before the agreement
+                    why = f"step {step}: {err}"
+            errors = [f"rank {r}: {e}" for r, e in enumerate(self.comm.all_gather_object(why)) if e]
+            if errors:
+                self.refused += errors
+                continue
+            assert tree is not None
+            return tree, {"world_size": self.comm.world_size}, f"shm://{self.shm.root}"
         return None
 
     def _find_local(self, newest_remote: int) -> Resumable | None:
@@ -295,4 +331,6 @@ class DurableTier:
             return None, f"rank {rank}: {err}"
 
     def tier_of(self, url: str) -> str:
+        if url.startswith("shm://"):
+            return "shm"
         return "local" if self.local is not None and url == self.local.store.url else "remote"

@@ -51,6 +51,13 @@ class ExitFault(_StepFault):
     code: int = Field(1, ge=0, le=255, description="Exit code of the process.")
 
 
+class CorruptShmFault(_StepFault):
+    """Flip bytes of this rank's newest sealed shared-memory slot (snapshot.shared_memory),
+    after its verdict was written: memory gone bad under a snapshot a restart would trust."""
+
+    kind: Literal["corrupt_shm"]
+
+
 class StorageErrorFault(_Fault):
     kind: Literal["storage_error"]
     op: Literal["write", "read"] = Field("write", description="Which storage operations fail.")
@@ -102,6 +109,7 @@ Fault = Annotated[
     | CrashFault
     | HangFault
     | ExitFault
+    | CorruptShmFault
     | StorageErrorFault
     | SlowStorageFault
     | TruncateSnapshotFault

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 from orchestrator.fault_kinds import (
     CorruptAllreduceFault,
+    CorruptShmFault,
     CrashFault,
     ExitFault,
     Fault,
@@ -77,7 +78,7 @@ class FaultInjector:
             for e in read_journal(run_dir)
             if e.get("kind") == "fault" and e.get("rank") == rank
         }
-        once = (NanGradFault, InfLossFault, CrashFault, HangFault, ExitFault)
+        once = (NanGradFault, InfLossFault, CrashFault, HangFault, ExitFault, CorruptShmFault)
         self._pending: list[Fault] = [
             f
             for f in faults
@@ -191,6 +192,9 @@ class FaultInjector:
         if self._take(HangFault, step):
             while True:
                 time.sleep(3600)
+
+    def corrupt_shm_due(self, step: int) -> bool:
+        return self._take(CorruptShmFault, step)
 
     def storage(self, op: str, step: int) -> None:
         """Delay ``op`` (slow_storage), or raise an injected storage error for it while the

@@ -38,7 +38,13 @@ from orchestrator.incident import Incident
 from orchestrator.investigate import Investigation
 from orchestrator.journal import Decisions, Journal
 from orchestrator.keeper import StateKeeper
-from orchestrator.lifecycle import Lifecycle, agree_attempt, check_memory, resolve_run_dir
+from orchestrator.lifecycle import (
+    Lifecycle,
+    agree_attempt,
+    check_memory,
+    open_shm,
+    resolve_run_dir,
+)
 from orchestrator.metrics import Metrics
 from orchestrator.policy import Policy, load_policy
 from orchestrator.protocol import LEDGER_NAME
@@ -104,7 +110,12 @@ class Guard:
         self.global_step = 0  # committed steps so far = index of the next step (0-based)
         self.journal = Journal(self.run_dir, comm.global_rank, self.attempt)
         self._decide = Decisions(self.journal, comm.rank == 0)
-        self.ring = SnapshotRing(p.snapshot.keep)
+        self.shm = open_shm(p, comm, self.run_dir, self.attempt)  # None: private memory
+        self.ring = SnapshotRing(
+            p.snapshot.keep,
+            alloc=self.shm.alloc if self.shm else None,
+            on_drop=self.shm.drop if self.shm else None,
+        )
         self.adjuster = LRAdjuster(p.adjust)
         self.faults = FaultInjector(p.faults, comm.global_rank, self.run_dir, self.journal)
         ledger = Ledger(p.quarantine.ledger_url or os.path.join(self.run_dir, LEDGER_NAME))
@@ -112,14 +123,14 @@ class Guard:
         in_ledger = comm.broadcast_object(ledger.load() if comm.rank == 0 else None)
         self.cursor = DataCursor(comm, in_ledger, p.quarantine.window_steps)
         self.durable = DurableTier(
-            p, comm, self.engine, self.run_dir, self.journal, self.faults, self._event
+            p, comm, self.engine, self.run_dir, self.journal, self.faults, self._event, self.shm
         )
         self.heartbeat = Heartbeat(
             self.run_dir, comm.global_rank, self.attempt, p.supervisor.heartbeat_interval_s
         )
         self.keeper = StateKeeper(
             p, comm, self.engine, self.ring, self.durable, cursor=self.cursor,
-            adjuster=self.adjuster, heartbeat=self.heartbeat, decide=self._decide,
+            adjuster=self.adjuster, heartbeat=self.heartbeat, decide=self._decide, shm=self.shm,
         )  # fmt: skip
         self.check = StepCheck(p, comm, self.engine, self.durable, self.heartbeat, self._decide)
         # The step being run: phase (idle, batch, backward, stepped), micro-batches so far.
@@ -334,6 +345,8 @@ class Guard:
         if self.comm.rank == 0 and self.metrics.ratio_due(self.global_step):
             self.metrics.before_update(list(self.engine.core.parameters()))
         self.faults.process_faults(self.global_step)
+        if self.shm is not None and self.faults.corrupt_shm_due(self.global_step):
+            self.shm.corrupt(self.ring.newest(lambda s: s.sealed))
         grads = self.engine.judge(self.adjuster.multiplier())
         loss = self._loss if gas == 1 else self._loss / gas
         c = self._checked = self.check.run(

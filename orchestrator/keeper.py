@@ -18,6 +18,7 @@ from orchestrator.errors import PersistError
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.journal import Decisions
 from orchestrator.policy import Policy
+from orchestrator.shm import ShmSlots
 from orchestrator.snapshot import Snapshot, SnapshotRing
 
 logger = logging.getLogger(__name__)
@@ -36,10 +37,25 @@ class StateKeeper:
         adjuster: LRAdjuster,
         heartbeat: Heartbeat,
         decide: Decisions,
+        shm: ShmSlots | None = None,
     ) -> None:
         self.policy, self.comm, self.engine, self.ring = policy, comm, engine, ring
         self.durable, self.cursor, self.adjuster = durable, cursor, adjuster
-        self.heartbeat, self.decide = heartbeat, decide
+        self.heartbeat, self.decide, self.shm = heartbeat, decide, shm
+
+    def _sealed(self, snap: Snapshot) -> None:
+        """A snapshot is sealed: in shared memory, its slot gets its verdict (a restart on
+        this node may use it from now on)."""
+        if self.shm is not None:
+            self.shm.seal(snap, on_error=self._seal_failed)
+
+    def _seal_failed(self, err: Exception) -> None:
+        logger.warning(
+            "cannot write a shared-memory snapshot's verdict under %s (%r): a restart will "
+            "not use that slot; check the free space of snapshot.shm_dir",
+            self.shm.root if self.shm else "?",
+            err,
+        )
 
     def capture(self, step: int, initial: bool = False) -> Snapshot | None:
         """Copy the state at ``step`` into the ring (asynchronously where the device allows);
@@ -67,10 +83,11 @@ class StateKeeper:
             # Rolling back to the starting state is a restart.
             snap.wait()
             snap.sealed = True
+            self._sealed(snap)
         self.decide(
             "snapshot",
             step,
-            tier="memory",
+            tier="shm" if self.shm is not None else "memory",
             bytes=snap.nbytes,
             stall_ms=round((time.perf_counter() - t0) * 1e3, 3),
             initial=initial,
@@ -81,6 +98,7 @@ class StateKeeper:
         """Step ``step`` is committed: seal the snapshots old enough (the steps after them
         were finite) and hand the durable tier those it should persist."""
         for snap in self.ring.seal_through(step, self.policy.snapshot.seal_after_steps):
+            self._sealed(snap)
             self.durable.on_sealed(snap, rollbacks)
 
     def persist_now(self, step: int, rollbacks: int, phase: str) -> bool:
@@ -116,6 +134,7 @@ class StateKeeper:
         assert snap is not None  # the ring is empty at start
         snap.wait()
         snap.sealed = True
+        self._sealed(snap)
         try:
             self.engine.restore(snap, 1.0)
         except (RuntimeError, KeyError, ValueError) as err:
@@ -134,6 +153,7 @@ class StateKeeper:
             snapshot_step=step,
             url=url,
             tier=self.durable.tier_of(url),
+            refused=self.durable.refused,
             saved_world_size=manifest["world_size"],
             world_size=self.comm.world_size,
             **{k: g[k] for k in ("epoch", "offset") if k in g},

@@ -38,10 +38,14 @@ from orchestrator.policy import Policy
 from orchestrator.protocol import (
     ENV_ATTEMPT,
     ENV_RUN_DIR,
+    ENV_SHM_DIR,
     POLICY_NAME,
+    node_name,
+    shm_root,
 )
 from orchestrator.recovery import Recovery
 from orchestrator.rundir import archive_run_dir, write_policy
+from orchestrator.shm import ShmSlots
 
 
 def resolve_run_dir(comm: Comm, run_dir: str | None, fresh: bool, policy: Policy) -> str:
@@ -85,6 +89,15 @@ def agree_attempt(comm: Comm) -> int:
             "nodes' supervisors disagree; exiting so that they restart together under one"
         )
     return mine
+
+
+def open_shm(policy: Policy, comm: Comm, run_dir: str, attempt: int) -> ShmSlots | None:
+    """This rank's slots of the shared-memory ring (snapshot.shared_memory), in the folder
+    the supervisor named for this run and node, else in one of our own under shm_dir."""
+    if not policy.snapshot.shared_memory:
+        return None
+    root = os.environ.get(ENV_SHM_DIR) or shm_root(policy.snapshot.shm_dir, run_dir, node_name())
+    return ShmSlots(root, comm.global_rank, comm.world_size, policy.snapshot.keep, attempt)
 
 
 def check_memory(policy: Policy, comm: Comm, engine: Engine) -> None:
@@ -316,6 +329,8 @@ class Lifecycle:
                 # its last step.
                 self.keeper.persist_now(step, self.recovery.rollbacks, "closing")
         self.durable.close()
+        if self.keeper.shm is not None:  # without a supervisor, nobody else removes it
+            self.keeper.shm.close(remove=ENV_SHM_DIR not in os.environ)
         self.metrics.flush()
         if self.health is not None:
             self.health.close()

@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import select
+import shutil
 import signal
 import threading
 
-from orchestrator.protocol import ENV_SUPERVISOR_PID
+from orchestrator.protocol import ENV_SHM_DIR, ENV_SUPERVISOR_PID
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ def watch_supervisor() -> bool:
     def wait() -> None:
         select.select([fd], [], [])
         logger.error("the supervisor (pid %s) died: ending this rank", raw)
+        # Its shared-memory ring would outlive everyone (nobody is left to remove it).
+        shutil.rmtree(os.environ.get(ENV_SHM_DIR) or "/nonexistent", ignore_errors=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=wait, name="orchestrator-lifeline", daemon=True).start()

@@ -37,6 +37,14 @@ class SnapshotPolicy(_Section):
         description="Budget for the ring on this host (all local ranks together); "
         "null means only the free host memory limits it.",
     )
+    shared_memory: bool = Field(
+        False,
+        description="Keep the ring in node shared memory (files under shm_dir): a restart "
+        "on the same node resumes from it instead of the durable tier.",
+    )
+    shm_dir: str = Field(
+        "/dev/shm", description="Where the shared-memory ring lives (a tmpfs on each node)."
+    )
 
     @model_validator(mode="after")
     def _age_reachable(self) -> SnapshotPolicy:

@@ -21,6 +21,8 @@ ENV_POLICY = "ORCHESTRATOR_POLICY"  # path of the policy YAML
 ENV_SUPERVISOR_PID = "ORCHESTRATOR_SUPERVISOR_PID"
 # The node's name (default: the hostname); set it to simulate several nodes on one machine.
 ENV_NODE = "ORCHESTRATOR_NODE"
+# The node's shared-memory folder of the run (snapshot.shared_memory), owned by the supervisor.
+ENV_SHM_DIR = "ORCHESTRATOR_SHM_DIR"
 
 # --- worker exit codes (README "Exit codes"); the supervisor classifies on them -------------
 EXIT_OK = 0
@@ -56,8 +58,16 @@ def node_name() -> str:
 
 def node_path(run_dir: str, sub: str, node: str, suffix: str = "") -> str:
     """``RUN_DIR/<sub>/<node><suffix>``, the node's name made safe for a file name."""
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", node) or "_"
-    return os.path.join(run_dir, sub, safe + suffix)
+    return os.path.join(run_dir, sub, _safe(node) + suffix)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "_"
+
+
+def shm_root(shm_dir: str, run_dir: str, node: str) -> str:
+    """The shared-memory folder of a run on a node (orchestrator/shm.py)."""
+    return os.path.join(shm_dir, f"orchestrator-{local_tier_key(run_dir)}-{_safe(node)}")
 
 
 def local_tier_key(run_dir: str) -> str:

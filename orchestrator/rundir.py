@@ -11,15 +11,26 @@ import time
 import yaml
 
 from orchestrator.policy import Policy
-from orchestrator.protocol import ARCHIVE_DIR, SUPERVISORS_DIR, local_tier_key
+from orchestrator.protocol import (
+    ARCHIVE_DIR,
+    SUPERVISORS_DIR,
+    local_tier_key,
+    node_name,
+    shm_root,
+)
 
 
 def write_atomic(path: str, text: str) -> None:
     """Replace ``path`` with ``text`` atomically: a reader in another process sees the old
     file or the new one, never half of one."""
+    write_bytes(path, text.encode())
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically (see :func:`write_atomic`)."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
 
 
@@ -46,6 +57,8 @@ def archive_run_dir(run_dir: str, policy: Policy) -> list[str]:
         shutil.rmtree(
             os.path.join(policy.persist.local_dir, local_tier_key(run_dir)), ignore_errors=True
         )
+    # An earlier run's shared-memory ring on this node: the new run must not resume from it.
+    shutil.rmtree(shm_root(policy.snapshot.shm_dir, run_dir, node_name()), ignore_errors=True)
     if policy.persist.url:
         said.append(
             f"persist.url {policy.persist.url} is not moved; if it holds the earlier run's "

@@ -61,6 +61,7 @@ class Snapshot:
     nbytes: int = 0
     ready: Any = None  # CUDA event recorded after the copies, or None on CPU
     held: bool = False  # being written to durable storage: its buffers must not be reused
+    slot: int = -1  # the ring slot it lives in
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -86,10 +87,21 @@ class Snapshot:
         return _unflatten(self.skeleton[key], get)
 
 
-class SnapshotRing:
-    """``keep`` slots of host buffers; the newest sealed snapshot is never overwritten."""
+# Where a slot's buffers come from (orchestrator/shm.py): (slot, tensors to copy, the slot's
+# last buffers, [] when they may not be written) -> buffers shaped like the tensors.
+Alloc = Callable[[int, list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]
 
-    def __init__(self, keep: int) -> None:
+
+class SnapshotRing:
+    """``keep`` slots of host buffers; the newest sealed snapshot is never overwritten.
+
+    ``alloc`` and ``on_drop`` put the slots elsewhere than private host memory (node shared
+    memory, orchestrator/shm.py): ``alloc`` gives a slot's buffers, ``on_drop(slot)`` says
+    that a slot no longer holds a usable snapshot (a rollback abandoned it)."""
+
+    def __init__(
+        self, keep: int, alloc: Alloc | None = None, on_drop: Callable[[int], None] | None = None
+    ) -> None:
         if keep < 2:
             raise ValueError("the ring needs at least 2 slots: the newest may not be sealed yet")
         self.keep = keep
@@ -98,6 +110,7 @@ class SnapshotRing:
         # the next capture into that slot reuses the allocation.
         self._buffers: list[list[torch.Tensor]] = [[] for _ in range(keep)]
         self._stream: Any = None
+        self._alloc, self._on_drop = alloc, on_drop
 
     # --- capture --------------------------------------------------------------------------
     def capture(self, step: int, state: dict[str, Any]) -> Snapshot | None:
@@ -109,6 +122,8 @@ class SnapshotRing:
         leaves: list[torch.Tensor] = []
         skeleton = _flatten(state, leaves)
         reuse = self._buffers[victim]
+        if self._alloc is not None:
+            reuse = self._alloc(victim, leaves, reuse)
         buffers: list[torch.Tensor] = []
         on_cuda = any(t.is_cuda for t in leaves)
         if on_cuda:
@@ -132,6 +147,7 @@ class SnapshotRing:
             buffers=buffers,
             nbytes=sum(b.numel() * b.element_size() for b in buffers),
             ready=ready,
+            slot=victim,
         )
         self._buffers[victim] = buffers
         self.slots[victim] = snap
@@ -183,6 +199,8 @@ class SnapshotRing:
             if s is not None and (s.step > step or not s.sealed):
                 s.wait()
                 self.slots[i] = None
+                if self._on_drop is not None:
+                    self._on_drop(i)
                 if s.held:  # the persist thread still reads them: the slot gets new ones
                     self._buffers[i] = []
 

@@ -325,3 +325,56 @@ def test_rerun_rows_are_what_default_collate_of_the_subset_makes() -> None:
         assert torch.equal(got[key], want[key]) and got[key].dtype == want[key].dtype
     assert isinstance(got["pair"], Pair)
     assert all(torch.equal(g, w) for g, w in zip(got["pair"], want["pair"], strict=True))
+
+
+def test_shm_slots_seal_verify_and_withdraw(tmp_path: Path) -> None:
+    """The shared-memory ring in one process: a sealed slot reads back exactly (bf16, bool,
+    a 0-d tensor, plain values); bytes changed after sealing are refused by checksum; a
+    rollback's drop withdraws the verdict; a held slot gets a new file and the old mapping
+    keeps its bytes."""
+    from orchestrator.shm import ShmSlots
+    from orchestrator.snapshot import SnapshotRing
+
+    shm = ShmSlots(str(tmp_path / "shm"), rank=0, world_size=1, keep=2, attempt=3)
+    ring = SnapshotRing(2, alloc=shm.alloc, on_drop=shm.drop)
+    state = {
+        "w": torch.randn(5, 3, dtype=torch.bfloat16),
+        "mask": torch.tensor([True, False, True]),
+        "count": torch.tensor(7),
+        "groups": [{"lr": 0.1, "betas": (0.9, 0.95)}],
+    }
+    snap = ring.capture(10, state)
+    assert snap is not None and snap.slot == 0
+    for got, want in zip(snap.buffers, (state["w"], state["mask"], state["count"]), strict=True):
+        assert torch.equal(got, want)
+    snap.sealed = True
+    shm.seal(snap, on_error=lambda err: pytest.fail(repr(err)))
+    shm.join()
+    assert shm.candidates() == ({10: 0}, [])
+    assert shm.check(0) is None
+    back = shm.load(0)
+    assert torch.equal(back["w"], state["w"]) and back["w"].dtype == torch.bfloat16
+    assert torch.equal(back["mask"], state["mask"]) and back["count"].item() == 7
+    assert back["groups"] == [{"lr": 0.1, "betas": (0.9, 0.95)}]
+    shm.corrupt(snap)
+    assert "checksum" in (shm.check(0) or "")
+    # A second snapshot in slot 1, sealed; a rollback to before it withdraws its verdict.
+    snap2 = ring.capture(20, state)
+    assert snap2 is not None and snap2.slot == 1
+    snap2.sealed = True
+    shm.seal(snap2, on_error=lambda err: pytest.fail(repr(err)))
+    shm.join()
+    assert shm.candidates()[0] == {10: 0, 20: 1}
+    ring.drop_after(10)
+    assert shm.candidates()[0] == {10: 0}
+    # Slot 1 again while slot 0 is being persisted (held): a new file for slot 0 only when
+    # its own buffers were given up; the persisting reader's bytes never change.
+    snap.held = True
+    before = snap.buffers[0].clone()
+    ring._buffers[0] = []  # what drop_after does to a held slot
+    old_file = shm._files[0]
+    assert shm.alloc(0, [state["w"], state["mask"], state["count"]], []) is not None
+    assert shm._files[0] != old_file and not Path(str(old_file)).exists()
+    assert torch.equal(snap.buffers[0], before)  # the old mapping is intact
+    shm.close(remove=True)
+    assert not (tmp_path / "shm").exists()

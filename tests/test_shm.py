@@ -1,0 +1,132 @@
+"""The snapshot ring in node shared memory (snapshot.shared_memory): a restart under the
+supervisor resumes from the node's newest valid slot, not from the durable tier; a slot
+whose bytes changed after sealing is refused; nothing of the run is left in /dev/shm."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_supervisor import BASE, launch_cmd, torchrun
+
+from conftest import (
+    DS_EXAMPLE,
+    EXAMPLE,
+    REPO,
+    assert_bitwise_equal,
+    final_states,
+    free_port,
+    kinds,
+    run,
+)
+from orchestrator.heartbeat import read_heartbeats
+from orchestrator.protocol import local_tier_key
+
+pytestmark = pytest.mark.timeout(400)
+
+SHM = {
+    **BASE,
+    "snapshot": {"every_steps": 10, "shared_memory": True},
+    "persist": {"every_steps": 100},
+}
+
+
+ENGINES = {  # script and arguments of each engine's example run
+    "ddp": (EXAMPLE, []),
+    "fsdp2": (EXAMPLE, ["--fsdp"]),
+    "zero2": (DS_EXAMPLE, ["--zero-stage", "2"]),
+}
+
+
+def launched(d: Path, policy: dict[str, Any], engine: str, steps: int = 70) -> None:
+    """The engine's example for ``steps`` under the supervisor, 2 ranks; it must end well
+    and leave nothing in /dev/shm."""
+    script, args = ENGINES[engine]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args,
+           "--steps", str(steps), "--save-final", str(d / "final")]  # fmt: skip
+    r = run(launch_cmd(d, policy, *cmd), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert not glob.glob(f"/dev/shm/orchestrator-{local_tier_key(str(d))}*"), "shm left behind"
+
+
+class CleanRuns(dict[str, Path]):
+    """Uninterrupted runs, one per engine, made when a test first needs one."""
+
+    def __init__(self, base: Path) -> None:
+        super().__init__()
+        self.base = base
+
+    def __missing__(self, engine: str) -> Path:
+        launched(self.base / engine, SHM, engine)
+        self[engine] = self.base / engine
+        return self[engine]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> CleanRuns:
+    return CleanRuns(tmp_path_factory.mktemp("shm-clean"))
+
+
+@pytest.mark.parametrize(
+    "engine,corrupt",
+    [("ddp", False), ("ddp", True), ("fsdp2", False), ("zero2", False)],
+    ids=["ddp", "ddp-corrupt-slot", "fsdp2", "zero2"],
+)
+def test_a_crash_resumes_from_the_node_slot_bit_for_bit(
+    tmp_path: Path, clean: CleanRuns, engine: str, corrupt: bool
+) -> None:
+    """persist every 100, snapshot every 10, a crash at 57: the next attempt resumes from
+    the slot of step 50 (tier shm; nothing durable is that new), and ends bit for bit where
+    an uninterrupted run does. With the newest slot's bytes flipped after it was sealed, that
+    slot is refused (checksum) and the one of step 40 is used, still bit for bit."""
+    if engine == "zero2":
+        pytest.importorskip("deepspeed", reason="pip install -e '.[dev]' installs it")
+    d = tmp_path / "run"
+    faults: list[dict[str, Any]] = [{"kind": "crash", "step": 57, "rank": 1}]
+    if corrupt:
+        faults.append({"kind": "corrupt_shm", "step": 55, "rank": 0})
+    launched(d, {**SHM, "faults": faults}, engine)
+    (resume,) = kinds(d, "resume")
+    assert resume["attempt"] == 1 and resume["details"]["tier"] == "shm"
+    assert resume["details"]["snapshot_step"] == (40 if corrupt else 50)
+    refused = resume["details"]["refused"]
+    if corrupt:
+        assert any("step 50" in r and "checksum" in r and r.startswith("rank 0") for r in refused)
+    else:
+        assert refused == []
+    for a, b in zip(final_states(clean[engine]), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+
+
+def test_a_sigkilled_supervisor_leaves_nothing_in_shared_memory(tmp_path: Path) -> None:
+    """SIGKILL of the supervisor: its workers end (lifeline) and remove the node's ring."""
+    d = tmp_path / "run"
+    proc = subprocess.Popen(
+        launch_cmd(d, SHM, *torchrun("--steps", "100000")), cwd=REPO, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    pattern = f"/dev/shm/orchestrator-{local_tier_key(str(d))}*"
+    try:
+        deadline = time.monotonic() + 120
+        while not (glob.glob(pattern) and any(b["step"] >= 25 for b in read_heartbeats(str(d)))):
+            assert time.monotonic() < deadline, "no shared-memory ring at step 25"
+            time.sleep(0.2)  # bounded poll
+        proc.kill()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while glob.glob(pattern):  # bounded poll
+            assert time.monotonic() < deadline, "the ring outlived the supervisor"
+            time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the whole group may be gone
+            os.killpg(proc.pid, signal.SIGKILL)
