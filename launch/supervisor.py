@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -101,6 +102,7 @@ class Supervisor:
         # The node's shared-memory ring (snapshot.shared_memory): kept across attempts,
         # removed when this supervisor stops for good.
         self.shm_dir = shm_root(policy.snapshot.shm_dir, self.run_dir, self.node)
+        self._attempt = 0  # the current attempt
         self._lost: str | None = None  # why the current attempt was stopped for a lost node
         self._ended: Ended | None = None  # a peer that ended the job while we waited for it
 
@@ -114,6 +116,8 @@ class Supervisor:
             code, why = self._loop()
             return code
         finally:
+            if code != EXIT_OK and os.path.isdir(self.shm_dir):
+                self._flush()
             shutil.rmtree(self.shm_dir, ignore_errors=True)
             self.peers.exited(code, why)  # the other nodes stop with us (launch/nodes.py)
             for s, h in old.items():
@@ -128,6 +132,7 @@ class Supervisor:
             while True:
                 journal.attempt = attempt
                 self.peers.at(attempt)
+                self._attempt = attempt
                 if self._signals:
                     return self._stop(journal, 128 + signal.SIGTERM, "stopped on request", best)
                 journal.write(
@@ -247,6 +252,22 @@ class Supervisor:
         )
         self._say(f"{why}; exit {code}")
         return code, why
+
+    def _flush(self) -> None:
+        """Before the node's shared-memory ring goes: its newest valid slot into the durable
+        tier when newer than the newest durable snapshot (orchestrator/flush.py, in a helper
+        process: reading the slots needs torch, which the supervisor never imports)."""
+        cmd = [sys.executable, "-m", "orchestrator.flush", "--run-dir", self.run_dir,
+               "--shm-dir", self.shm_dir, "--policy", self.policy_path,
+               "--attempt", str(self._attempt)]  # fmt: skip
+        try:
+            out = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=self.policy.persist.commit_timeout_s
+            )
+            said = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-500:]
+        except subprocess.TimeoutExpired:
+            said = f"timed out after {self.policy.persist.commit_timeout_s} s"
+        self._say(f"flush of the shared-memory ring to the durable tier: {said}")
 
     # --- one attempt ----------------------------------------------------------------------
     def _run_attempt(self, attempt: int) -> Attempt:

@@ -59,6 +59,7 @@ class DurableTier:
             self._local_tier(run_dir) if self.policy.enabled and self.policy.local_dir else None
         )
         self.persister: Persister | None = None
+        self._extra = {"policy_digest": policy.digest(), "engine": engine.name}
         if self.policy.enabled:
             self.persister = Persister(
                 self.policy,
@@ -66,7 +67,7 @@ class DurableTier:
                 comm.rank,
                 comm.world_size,
                 journal,
-                extra={"policy_digest": policy.digest(), "engine": engine.name},
+                extra=self._extra,
                 faults=faults,
                 local=self.local,
             )
@@ -174,6 +175,16 @@ class DurableTier:
             if time.monotonic() >= deadline:
                 return False
         return True
+
+    def plan(self, snap: Snapshot) -> dict[str, Any]:
+        """What this rank's durable part of ``snap`` holds, for a writer outside the process
+        (orchestrator/flush.py writes a shared-memory slot as this rank's writer would)."""
+        return {
+            "keys": self._part_keys(snap, writer=0),
+            "native": self.engine.native_files(snap.step),
+            "texts": self.engine.native_texts(snap.step),
+            "extra": self._extra,
+        }
 
     def _part_keys(self, snap: Snapshot, writer: int) -> list[str]:
         """What this rank writes when rank ``writer`` holds the shared (replicated) state."""

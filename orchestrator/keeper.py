@@ -47,7 +47,7 @@ class StateKeeper:
         """A snapshot is sealed: in shared memory, its slot gets its verdict (a restart on
         this node may use it from now on)."""
         if self.shm is not None:
-            self.shm.seal(snap, on_error=self._seal_failed)
+            self.shm.seal(snap, on_error=self._seal_failed, plan=self.durable.plan(snap))
 
     def _seal_failed(self, err: Exception) -> None:
         logger.warning(

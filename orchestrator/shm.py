@@ -55,6 +55,24 @@ def _mapped(path: str, size: int, shared: bool) -> torch.Tensor:
     return torch.from_file(path, shared=shared, size=size, dtype=torch.uint8)
 
 
+def verdicts(root: str) -> dict[int, dict[int, tuple[int, dict[str, Any]]]]:
+    """Every rank's verdicts in ``root``: rank -> step -> (slot, verdict)."""
+    out: dict[int, dict[int, tuple[int, dict[str, Any]]]] = {}
+    for d in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if not d.startswith("slot"):
+            continue
+        for name in os.listdir(os.path.join(root, d)):
+            if not (name.startswith("rank") and name.endswith(".json")):
+                continue
+            try:
+                with open(os.path.join(root, d, name), encoding="utf-8") as f:
+                    v = json.load(f)
+            except (OSError, ValueError):
+                continue  # withdrawn or being replaced
+            out.setdefault(int(v["rank"]), {})[int(v["step"])] = (int(d.removeprefix("slot")), v)
+    return out
+
+
 class ShmSlots:
     """One rank's ring slots in ``root``: the ring's buffers, verdicts, reading back."""
 
@@ -106,9 +124,12 @@ class ShmSlots:
             at += _aligned(n)
         return out
 
-    def seal(self, snap: Snapshot, on_error: Callable[[Exception], None]) -> None:
+    def seal(
+        self, snap: Snapshot, on_error: Callable[[Exception], None], plan: dict[str, Any]
+    ) -> None:
         """Write the verdict of the sealed ``snap``; the checksum runs on a thread, which
-        calls ``on_error`` if the verdict cannot be written (a full /dev/shm)."""
+        calls ``on_error`` if the verdict cannot be written (a full /dev/shm). ``plan``:
+        what this rank's durable part of it holds (orchestrator/flush.py writes it)."""
         slot = snap.slot
         mapped, path = self._maps[slot], self._files[slot]
         assert mapped is not None and path is not None, "a snapshot not in shared memory"
@@ -122,6 +143,7 @@ class ShmSlots:
             "bytes": mapped.numel(),
             # Every tensor of the snapshot (by its index in the ring's list): where it is.
             "leaves": [[b.data_ptr() - base, str(b.dtype), list(b.shape)] for b in snap.buffers],
+            "persist": plan,
         }
         pickled = None
         try:  # the plain values as JSON, tensors named by path (orchestrator/codec.py)

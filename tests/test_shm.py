@@ -130,3 +130,32 @@ def test_a_sigkilled_supervisor_leaves_nothing_in_shared_memory(tmp_path: Path) 
     finally:
         with contextlib.suppress(ProcessLookupError):  # the whole group may be gone
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_the_newest_slot_is_flushed_when_the_job_ends_and_the_next_job_resumes(
+    tmp_path: Path, clean: CleanRuns
+) -> None:
+    """No restart allowed (max_restarts: 0): a crash at 57 ends the job with 75. Before the
+    ring goes, the supervisor flushes its newest slot (step 50) to the durable tier; the
+    next job (the same command, a new supervisor) resumes from it and ends bit for bit."""
+    from orchestrator.errors import EXIT_RESTARTS_EXHAUSTED
+
+    d = tmp_path / "run"
+    once = {**SHM, "supervisor": {**SHM["supervisor"], "max_restarts": 0},
+            "faults": [{"kind": "crash", "step": 57, "rank": 1}]}  # fmt: skip
+    script, args = ENGINES["ddp"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args,
+           "--steps", "70", "--save-final", str(d / "final")]  # fmt: skip
+    r = run(launch_cmd(d, once, *cmd), timeout=300)
+    assert r.returncode == EXIT_RESTARTS_EXHAUSTED, r.stdout[-3000:]
+    (flushed,) = kinds(d, "flush")
+    assert flushed["details"]["flushed"] is True and flushed["details"]["step"] == 50
+    assert not glob.glob(f"/dev/shm/orchestrator-{local_tier_key(str(d))}*")
+    launched(d, SHM, "ddp")  # the fault fired already (journaled): a clean second job
+    resumes = kinds(d, "resume")
+    assert [(e["details"]["tier"], e["details"]["snapshot_step"]) for e in resumes] == [
+        ("remote", 50)
+    ]
+    for a, b in zip(final_states(clean["ddp"]), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")

@@ -348,7 +348,7 @@ def test_shm_slots_seal_verify_and_withdraw(tmp_path: Path) -> None:
     for got, want in zip(snap.buffers, (state["w"], state["mask"], state["count"]), strict=True):
         assert torch.equal(got, want)
     snap.sealed = True
-    shm.seal(snap, on_error=lambda err: pytest.fail(repr(err)))
+    shm.seal(snap, on_error=lambda err: pytest.fail(repr(err)), plan={})
     shm.join()
     assert shm.candidates() == ({10: 0}, [])
     assert shm.check(0) is None
@@ -362,7 +362,7 @@ def test_shm_slots_seal_verify_and_withdraw(tmp_path: Path) -> None:
     snap2 = ring.capture(20, state)
     assert snap2 is not None and snap2.slot == 1
     snap2.sealed = True
-    shm.seal(snap2, on_error=lambda err: pytest.fail(repr(err)))
+    shm.seal(snap2, on_error=lambda err: pytest.fail(repr(err)), plan={})
     shm.join()
     assert shm.candidates()[0] == {10: 0, 20: 1}
     ring.drop_after(10)
