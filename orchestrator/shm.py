@@ -125,7 +125,11 @@ class ShmSlots:
         return out
 
     def seal(
-        self, snap: Snapshot, on_error: Callable[[Exception], None], plan: dict[str, Any]
+        self,
+        snap: Snapshot,
+        on_error: Callable[[Exception], None],
+        plan: dict[str, Any],
+        checked_through: int | None = None,
     ) -> None:
         """Write the verdict of the sealed ``snap``; the checksum runs on a thread, which
         calls ``on_error`` if the verdict cannot be written (a full /dev/shm). ``plan``:
@@ -144,6 +148,8 @@ class ShmSlots:
             # Every tensor of the snapshot (by its index in the ring's list): where it is.
             "leaves": [[b.data_ptr() - base, str(b.dtype), list(b.shape)] for b in snap.buffers],
             "persist": plan,
+            "sealed": True,  # the steps after it checked finite (through ``checked_through``)
+            "checked_through": checked_through,
         }
         pickled = None
         try:  # the plain values as JSON, tensors named by path (orchestrator/codec.py)
@@ -239,7 +245,9 @@ class ShmSlots:
         return None
 
     def load(self, slot: int) -> dict[str, Any]:
-        """This rank's state from ``slot`` (tensors copied out of shared memory)."""
+        """This rank's state from ``slot``: views of a private (copy-on-write) mapping of
+        its file, so nothing is copied until the state is loaded from them, and nothing
+        written to them reaches the slot."""
         with open(self._verdict(slot), encoding="utf-8") as f:
             v = json.load(f)
         path = os.path.join(self.root, f"slot{slot}", v["file"])
@@ -248,7 +256,8 @@ class ShmSlots:
         for off, dtype, shape in v["leaves"]:
             dt = dtype_of(dtype)
             n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-            leaves.append(mapped[off : off + n].view(dt).view(shape).clone())
+            # A private mapping: the tensors are the restarted process's own (copy on write).
+            leaves.append(mapped[off : off + n].view(dt).view(shape))
         if "pickle" in v:
             with open(os.path.join(self.root, f"slot{slot}", v["pickle"]["file"]), "rb") as f:
                 data = f.read()
