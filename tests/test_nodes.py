@@ -135,7 +135,9 @@ def test_a_hang_on_one_node_is_named_and_both_recover(tmp_path: Path) -> None:
         assert (culprit["rank"], culprit["node"], culprit["phase"]) == (0, home, "backward")
         assert "process_faults" in culprit["frame"]
         assert e["time"] - fault["time"] <= 6.0 + 5
-    assert (d / "hangs" / "attempt-0" / "rank0.txt").exists()
+    for rank in (0, 1):  # every rank's stack, from both nodes
+        assert (d / "hangs" / "attempt-0" / f"rank{rank}.txt").stat().st_size > 0
+    assert "process_faults" in (d / "hangs" / "attempt-0" / "rank0.txt").read_text()
     assert kinds(d, "run_end")[-1]["details"]["steps"] == 50
 
 
