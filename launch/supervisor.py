@@ -388,6 +388,8 @@ class Supervisor:
         gone for node_timeout_s? (Then this attempt can never start.)"""
         lost = self.peers.lost(self.sup.node_timeout_s)
         ended = self.peers.ended(fresh=False) if self.nnodes > 1 else None
+        if ended is not None and ended.exit_code == EXIT_OK:
+            ended = None  # the job finished: our workers end with it on their own
         if lost is not None:
             self._lost = lost
             self.journal.write(

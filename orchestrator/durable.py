@@ -26,7 +26,7 @@ from orchestrator.journal import Journal
 from orchestrator.policy import Policy
 from orchestrator.protocol import local_tier_key
 from orchestrator.retry import storage_retry
-from orchestrator.shm import ShmSlots
+from orchestrator.shm import ShmSlots, agreeable
 from orchestrator.snapshot import Snapshot
 from orchestrator.store import DurableStore, default_url
 from orchestrator.writer import LocalTier, Persister
@@ -256,17 +256,14 @@ class DurableTier:
         if self.shm is None:
             return None
         steps, refused = self.shm.candidates()
-        seen = self.comm.all_gather_object((sorted(steps), refused))
-        self.refused = [f"rank {r}: {why}" for r, (_, said) in enumerate(seen) for why in said]
-        common = set.intersection(*(set(s) for s, _ in seen))
-        for step in sorted(common, reverse=True):
-            if step < newest_remote:
-                break
-            why = self.shm.check(steps[step])
+        seen = self.comm.all_gather_object(({s: t for s, (_, t) in steps.items()}, refused))
+        order, self.refused = agreeable(seen, newest_remote)  # alike on every rank
+        for step in order:
+            why = self.shm.check(steps[step][0])
             tree = None
             if why is None:
                 try:
-                    tree = self.shm.load(steps[step])
+                    tree = self.shm.load(steps[step][0])
                 except Exception as err:  # never raises before the agreement
                     why = f"step {step}: {err}"
             errors = [f"rank {r}: {e}" for r, e in enumerate(self.comm.all_gather_object(why)) if e]

@@ -23,7 +23,7 @@ from typing import Any
 
 from orchestrator.journal import Journal
 from orchestrator.policy import load_policy
-from orchestrator.shm import ShmSlots, verdicts
+from orchestrator.shm import ShmSlots, agreeable, verdicts
 from orchestrator.snapshot import Snapshot, _flatten
 from orchestrator.store import DurableStore, default_url
 
@@ -48,14 +48,11 @@ def flush(run_dir: str, shm_dir: str, url: str, commit_timeout_s: float) -> dict
     store = DurableStore(url)
     committed = store.committed_steps()
     newest_durable = committed[0] if committed else -1
-    refused: list[str] = []
-    for step in sorted(set.intersection(*(set(s) for s in found.values())), reverse=True):
-        if step <= newest_durable:
-            return {
-                "flushed": False,
-                "reason": f"durable snapshot {newest_durable} is as new as step {step}",
-                "refused": refused,
-            }
+    seen: list[tuple[dict[int, str], list[str]]] = [
+        ({s: str(v.get("timeline")) for s, (_, v) in found[r].items()}, []) for r in sorted(found)
+    ]
+    order, refused = agreeable(seen, newest_durable + 1)  # strictly newer than durable
+    for step in order:
         errors = [f"rank {r}: {e}" for r in found if (e := slots[r].check(found[r][step][0]))]
         if errors:
             refused += errors
@@ -74,8 +71,8 @@ def flush(run_dir: str, shm_dir: str, url: str, commit_timeout_s: float) -> dict
         store.commit(step, world_size, nonce, found[0][step][1]["persist"]["extra"],
                      commit_timeout_s)  # fmt: skip
         return {"flushed": True, "step": step, "url": url, "bytes": written, "refused": refused}
-    return {"flushed": False, "reason": "no step sealed and intact on every rank",
-            "refused": refused}  # fmt: skip
+    why = f"no step newer than durable {newest_durable} is sealed and intact on every rank"
+    return {"flushed": False, "reason": why, "refused": refused}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,13 +43,15 @@ class StateKeeper:
         self.durable, self.cursor, self.adjuster = durable, cursor, adjuster
         self.heartbeat, self.decide, self.shm = heartbeat, decide, shm
 
-    def _sealed(self, snap: Snapshot, checked_through: int | None = None) -> None:
+    def _sealed(
+        self, snap: Snapshot, checked_through: int | None = None, rollbacks: int = 0
+    ) -> None:
         """A snapshot is sealed (the steps after it, through ``checked_through``, were
         finite): in shared memory, its slot gets its verdict (a restart on this node may
         use it from now on)."""
         if self.shm is not None:
             plan = self.durable.plan(snap)
-            self.shm.seal(snap, self._seal_failed, plan, checked_through)
+            self.shm.seal(snap, self._seal_failed, plan, checked_through, rollbacks)
 
     def _seal_failed(self, err: Exception) -> None:
         logger.warning(
@@ -100,7 +102,7 @@ class StateKeeper:
         """Step ``step`` is committed: seal the snapshots old enough (the steps after them
         were finite) and hand the durable tier those it should persist."""
         for snap in self.ring.seal_through(step, self.policy.snapshot.seal_after_steps):
-            self._sealed(snap, checked_through=step)
+            self._sealed(snap, checked_through=step, rollbacks=rollbacks)
             self.durable.on_sealed(snap, rollbacks)
 
     def persist_now(self, step: int, rollbacks: int, phase: str) -> bool:

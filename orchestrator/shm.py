@@ -55,6 +55,28 @@ def _mapped(path: str, size: int, shared: bool) -> torch.Tensor:
     return torch.from_file(path, shared=shared, size=size, dtype=torch.uint8)
 
 
+def agreeable(
+    seen: list[tuple[dict[int, str], list[str]]], newest_durable: int
+) -> tuple[list[int], list[str]]:
+    """From every rank's ({step: timeline}, refusals): the steps a restart may try, newest
+    first (sealed on every rank, all from one timeline, not older than the newest durable
+    snapshot), and why the others were refused, by rank."""
+    refused = [f"rank {r}: {why}" for r, (_, said) in enumerate(seen) for why in said]
+    order = []
+    for step in sorted(set.intersection(*(set(s) for s, _ in seen)), reverse=True):
+        if step < newest_durable:
+            break
+        timelines = sorted({s[step] for s, _ in seen})
+        if len(timelines) > 1:
+            refused.append(
+                f"step {step}: the ranks' slots come from different attempts or rollbacks "
+                f"({', '.join(timelines)})"
+            )
+            continue
+        order.append(step)
+    return order, refused
+
+
 def verdicts(root: str) -> dict[int, dict[int, tuple[int, dict[str, Any]]]]:
     """Every rank's verdicts in ``root``: rank -> step -> (slot, verdict)."""
     out: dict[int, dict[int, tuple[int, dict[str, Any]]]] = {}
@@ -130,6 +152,7 @@ class ShmSlots:
         on_error: Callable[[Exception], None],
         plan: dict[str, Any],
         checked_through: int | None = None,
+        rollbacks: int = 0,
     ) -> None:
         """Write the verdict of the sealed ``snap``; the checksum runs on a thread, which
         calls ``on_error`` if the verdict cannot be written (a full /dev/shm). ``plan``:
@@ -150,6 +173,10 @@ class ShmSlots:
             "persist": plan,
             "sealed": True,  # the steps after it checked finite (through ``checked_through``)
             "checked_through": checked_through,
+            # Which timeline: a rank's slot left on this node by an earlier attempt (ranks
+            # may land on other nodes after a rendezvous) or before a rollback of this one
+            # is never mixed with the other ranks' slots of the same step.
+            "timeline": f"{self.attempt}-{rollbacks}",
         }
         pickled = None
         try:  # the plain values as JSON, tensors named by path (orchestrator/codec.py)
@@ -202,10 +229,11 @@ class ShmSlots:
             mapped[mid : mid + 8] ^= 0xFF
 
     # --- reading back (a restart) ---------------------------------------------------------
-    def candidates(self) -> tuple[dict[int, int], list[str]]:
-        """({step: slot} of this rank's slots with a verdict, why the others that hold
-        bytes cannot be used). Checksums are checked by :meth:`check`, for the one chosen."""
-        found: dict[int, int] = {}
+    def candidates(self) -> tuple[dict[int, tuple[int, str]], list[str]]:
+        """({step: (slot, timeline)} of this rank's slots with a verdict, why the others
+        that hold bytes cannot be used). Checksums are checked by :meth:`check`, for the
+        one chosen."""
+        found: dict[int, tuple[int, str]] = {}
         refused: list[str] = []
         for slot in range(self.keep):
             d = os.path.join(self.root, f"slot{slot}")
@@ -221,7 +249,7 @@ class ShmSlots:
                         f"{v['world_size']}, not {self.world_size}"
                     )
                 else:
-                    found[int(v["step"])] = slot
+                    found[int(v["step"])] = (slot, str(v.get("timeline")))
             except FileNotFoundError:
                 refused.append(f"slot {slot}: not sealed (no verdict)")
             except (OSError, ValueError, KeyError) as err:

@@ -202,6 +202,8 @@ def test_an_unhealthy_host_is_excluded_on_requeue(slurm: dict[str, str], tmp_pat
     assert exit_event["details"]["exit_code"] == EXIT_UNHEALTHY
     host = socket.gethostname()
     assert (d / "exclude_hosts").read_text() == f"{host}\n"
+    # The requeued job passes through COMPLETING before it is PENDING again.
+    _wait("the requeued job, pending", lambda: job(slurm, job_id).get("JobState") == "PENDING")
     info = job(slurm, job_id)
     assert info["ExcNodeList"] == host and info["JobState"] == "PENDING", info
     subprocess.run(["scancel", job_id], env=slurm, check=True)

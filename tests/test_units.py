@@ -350,7 +350,7 @@ def test_shm_slots_seal_verify_and_withdraw(tmp_path: Path) -> None:
     snap.sealed = True
     shm.seal(snap, on_error=lambda err: pytest.fail(repr(err)), plan={})
     shm.join()
-    assert shm.candidates() == ({10: 0}, [])
+    assert shm.candidates() == ({10: (0, "3-0")}, [])
     assert shm.check(0) is None
     back = shm.load(0)
     assert torch.equal(back["w"], state["w"]) and back["w"].dtype == torch.bfloat16
@@ -364,9 +364,9 @@ def test_shm_slots_seal_verify_and_withdraw(tmp_path: Path) -> None:
     snap2.sealed = True
     shm.seal(snap2, on_error=lambda err: pytest.fail(repr(err)), plan={})
     shm.join()
-    assert shm.candidates()[0] == {10: 0, 20: 1}
+    assert shm.candidates()[0] == {10: (0, "3-0"), 20: (1, "3-0")}
     ring.drop_after(10)
-    assert shm.candidates()[0] == {10: 0}
+    assert shm.candidates()[0] == {10: (0, "3-0")}
     # Slot 1 again while slot 0 is being persisted (held): a new file for slot 0 only when
     # its own buffers were given up; the persisting reader's bytes never change.
     snap.held = True
@@ -378,3 +378,16 @@ def test_shm_slots_seal_verify_and_withdraw(tmp_path: Path) -> None:
     assert torch.equal(snap.buffers[0], before)  # the old mapping is intact
     shm.close(remove=True)
     assert not (tmp_path / "shm").exists()
+
+
+def test_a_restart_takes_the_newest_step_every_rank_sealed_on_one_timeline() -> None:
+    from orchestrator.shm import agreeable
+
+    # Rank 1's step 50 was left on this node by attempt 0 (it ran elsewhere in attempt 1):
+    # never mixed with rank 0's step 50 of attempt 1; step 40 is common to both.
+    seen = [({40: "1-0", 50: "1-0"}, []), ({40: "1-0", 50: "0-0"}, ["slot 2: no verdict"])]
+    order, refused = agreeable(seen, newest_durable=-1)
+    assert order == [40]
+    assert refused[0] == "rank 1: slot 2: no verdict" and "step 50" in refused[1]
+    assert agreeable(seen, newest_durable=45) == ([], refused)  # durable is newer
+    assert agreeable([({30: "2-1"}, []), ({30: "2-1"}, [])], 30)[0] == [30]  # a tie: shm
