@@ -71,7 +71,7 @@ def supervisors(run_dir: str) -> list[dict[str, Any]]:
 
 @dataclass
 class Ended:
-    """A peer's supervisor that stopped for good at or after our attempt."""
+    """A peer's supervisor that stopped for good since this one started."""
 
     node: str
     exit_code: int

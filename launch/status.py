@@ -105,6 +105,8 @@ def follow(run_dir: str, interval: float = 2.0) -> int:
             sups = supervisors(run_dir)
             if sups and all(s.get("state") == "exited" for s in sups):
                 return 0  # every node's supervisor has stopped
+            if not sups and any(e["kind"] == "supervisor_exit" for e in read_journal(run_dir)):
+                return 0  # a run directory from before the supervisors' files
             time.sleep(interval)
     except KeyboardInterrupt:
         return 0

@@ -68,6 +68,7 @@ from orchestrator.protocol import (
     EXIT_RESTARTS_EXHAUSTED,
     EXIT_UNHEALTHY,
     POLICY_NAME,
+    SUPERVISOR_RANK,
     node_name,
     shm_root,
 )
@@ -75,8 +76,6 @@ from orchestrator.rundir import write_policy
 from orchestrator.stacks import STACK_SIGNAL
 
 logger = logging.getLogger(__name__)
-
-SUPERVISOR_RANK = -1  # the journal's rank field for the supervisor's own events
 
 
 class Supervisor:

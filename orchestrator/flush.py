@@ -23,14 +23,13 @@ from typing import Any
 
 from orchestrator.journal import Journal
 from orchestrator.policy import load_policy
+from orchestrator.protocol import EVENT_FLUSH, SUPERVISOR_RANK
 from orchestrator.shm import ShmSlots, agreeable, verdicts
-from orchestrator.snapshot import Snapshot, _flatten
+from orchestrator.snapshot import Snapshot, flatten
 from orchestrator.store import DurableStore, default_url
 
-SUPERVISOR_RANK = -1
 
-
-def flush(run_dir: str, shm_dir: str, url: str, commit_timeout_s: float) -> dict[str, Any]:
+def flush(shm_dir: str, url: str, commit_timeout_s: float) -> dict[str, Any]:
     """Write the newest flushable slot to ``url``; returns what happened (the event)."""
     found = verdicts(shm_dir)  # rank -> {step: (slot, verdict)}
     if not found:
@@ -63,7 +62,7 @@ def flush(run_dir: str, shm_dir: str, url: str, commit_timeout_s: float) -> dict
             slot, verdict = found[r][step]
             plan = verdict["persist"]
             leaves: list[Any] = []
-            skeleton = _flatten(slots[r].load(slot), leaves)
+            skeleton = flatten(slots[r].load(slot), leaves)
             snap = Snapshot(step, sealed=True, skeleton=skeleton, buffers=leaves)
             written += store.write_part(
                 snap, r, world_size, plan["keys"], nonce, plan["native"], plan["texts"]
@@ -86,10 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     url = policy.persist.url or default_url(args.run_dir)
     journal = Journal(args.run_dir, SUPERVISOR_RANK, args.attempt)
     try:
-        said = flush(args.run_dir, args.shm_dir, url, policy.persist.commit_timeout_s)
+        said = flush(args.shm_dir, url, policy.persist.commit_timeout_s)
     except Exception as err:  # the supervisor reports it and stops anyway
         said = {"flushed": False, "reason": f"failed: {err!r}"}
-    journal.write("flush", int(said.get("step", -1)), said)
+    journal.write(EVENT_FLUSH, int(said.get("step", -1)), said)
     journal.close()
     print(json.dumps(said))
     return 0 if said["flushed"] else 1

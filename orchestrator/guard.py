@@ -140,7 +140,7 @@ class Guard:
         self._given: torch.Tensor | None = None  # the tensor the loop gave to backward
         self._resumed = False  # batches() resumed (or found nothing to resume from)
         self._checked: Checked | None = None  # the last step's check, as every rank saw it
-        check_memory(p, comm, self.engine)
+        check_memory(p, comm, self.engine, self.shm.root if self.shm else None)
         self.metrics = Metrics(p.metrics, self.run_dir, self.attempt, comm.rank == 0)
         self.faults.install_module_faults(
             self.engine.core, lambda: self.global_step, lambda: self.investigation.incident_step

@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -100,8 +101,9 @@ def open_shm(policy: Policy, comm: Comm, run_dir: str, attempt: int) -> ShmSlots
     return ShmSlots(root, comm.global_rank, comm.world_size, policy.snapshot.keep, attempt)
 
 
-def check_memory(policy: Policy, comm: Comm, engine: Engine) -> None:
-    """Fail at start, on every rank alike, if the snapshot ring cannot fit on this host.
+def check_memory(policy: Policy, comm: Comm, engine: Engine, shm_root: str | None = None) -> None:
+    """Fail at start, on every rank alike, if the snapshot ring cannot fit on this host
+    (in host memory, or, with ``shm_root``, in the shared-memory file system it lives on).
 
     Raises:
         PolicyError: with what the ring needs and what to change.
@@ -116,18 +118,43 @@ def check_memory(policy: Policy, comm: Comm, engine: Engine) -> None:
         f"snapshot.keep={snap.keep} needs {need / gib:.2f} GiB of host memory on this node "
         f"({local_ranks} local rank(s) x {snap.keep} slots x {per_rank / gib:.3f} GiB)"
     )
+    remedy = "lower snapshot.keep, or free host memory, or raise snapshot.max_host_memory_gb"
     if snap.max_host_memory_gb is not None and need > snap.max_host_memory_gb * gib:
         problem = f"{detail}, over snapshot.max_host_memory_gb={snap.max_host_memory_gb}"
+    elif shm_root is not None:
+        free = _free_for(shm_root)
+        if need > free:
+            problem = f"{detail.replace('of host memory', f'in {snap.shm_dir}')}, but " + (
+                f"only {free / gib:.2f} GiB is free there"
+                if os.path.isdir(snap.shm_dir)
+                else "it does not exist"
+            )
+            remedy = (
+                f"free or enlarge {snap.shm_dir} (`df -h {snap.shm_dir}`; a container's "
+                "/dev/shm is often 64 MiB: docker --shm-size), lower snapshot.keep, or set "
+                "snapshot.shared_memory: false"
+            )
     else:
         avail = _available_host_bytes()
         if avail is not None and need > 0.8 * avail:
             problem = f"{detail}, but only {avail / gib:.2f} GiB is free (80% usable)"
-    problems = [p for p in comm.all_gather_object(problem) if p]
+    problems = [p for p in comm.all_gather_object((problem, remedy)) if p[0]]
     if problems:
-        raise PolicyError(
-            f"{problems[0]}: lower snapshot.keep, or free host memory, or raise "
-            "snapshot.max_host_memory_gb"
-        )
+        raise PolicyError(f"{problems[0][0]}: {problems[0][1]}")
+
+
+def _free_for(root: str) -> int:
+    """Bytes the ring may take under ``root``: the free space of its file system plus what
+    this run's earlier slots there hold (a restart replaces them)."""
+    parent = os.path.dirname(root)
+    if not os.path.isdir(parent):
+        return 0
+    held = 0
+    for d, _, files in os.walk(root):
+        for f in files:
+            with contextlib.suppress(FileNotFoundError):  # replaced while we look
+                held += os.path.getsize(os.path.join(d, f))
+    return shutil.disk_usage(parent).free + held
 
 
 def _available_host_bytes() -> int | None:

@@ -91,4 +91,6 @@ EVENT_ATTEMPT_END = "attempt_end"
 EVENT_RESTART = "restart"
 EVENT_HANG = "hang"
 EVENT_NODE_LOST = "node_lost"
+EVENT_FLUSH = "flush"  # by the supervisor's helper (orchestrator/flush.py)
+SUPERVISOR_RANK = -1  # the journal's rank field for the supervisor's (and its helper's) events
 EVENT_SUPERVISOR_EXIT = "supervisor_exit"

@@ -38,7 +38,7 @@ import torch
 from orchestrator.codec import decode, dtype_of, encode
 from orchestrator.errors import PersistError
 from orchestrator.rundir import write_atomic, write_bytes
-from orchestrator.snapshot import Snapshot, _unflatten
+from orchestrator.snapshot import Snapshot, unflatten
 
 ALIGN = 64  # every tensor starts on a cache line (and on any dtype's alignment)
 
@@ -104,7 +104,7 @@ class ShmSlots:
         self._maps: list[torch.Tensor | None] = [None] * keep  # each slot's mapped bytes
         self._files: list[str | None] = [None] * keep
         self._gen = 0
-        self._sealing: list[threading.Thread] = []
+        self._sealing: dict[int, threading.Thread] = {}  # slot -> its verdict being written
 
     def _verdict(self, slot: int) -> str:
         return os.path.join(self.root, f"slot{slot}", f"rank{self.rank}.json")
@@ -117,7 +117,7 @@ class ShmSlots:
         buffers, [] when they may not be written) when they fit, else views of a new file.
         The slot's verdict goes first: from here until it is sealed again, its bytes are
         not a snapshot."""
-        self.join()  # a checksum may still be reading this slot
+        self.join(slot)  # its checksum may still be reading it (others' may run on)
         self.drop(slot)
         if len(reuse) == len(leaves) and all(
             b.shape == t.shape and b.dtype == t.dtype for b, t in zip(reuse, leaves, strict=True)
@@ -135,7 +135,19 @@ class ShmSlots:
         self._gen += 1
         path = os.path.join(d, f"rank{self.rank}-{self._gen}.bin")
         with open(path, "wb") as f:  # sized first: from_file maps exactly that
-            f.truncate(total)
+            try:
+                # Reserved now: a full tmpfs would otherwise kill the training thread with
+                # SIGBUS at its first write into the mapping.
+                os.posix_fallocate(f.fileno(), 0, total)
+            except OSError as err:
+                f.close()
+                os.unlink(path)
+                raise PersistError(
+                    f"snapshot.shared_memory: no room for a {total / 2**20:.2f} MiB ring slot "
+                    f"of rank {self.rank} under {self.root} ({err.strerror}). Free or enlarge "
+                    f"{os.path.dirname(self.root)} (`df -h {os.path.dirname(self.root)}`), "
+                    "lower snapshot.keep, or set snapshot.shared_memory: false"
+                ) from err
         mapped = _mapped(path, total, shared=True)
         self._maps[slot], self._files[slot] = mapped, path
         if old is not None:  # its mapping (a persisting reader's) lives on until dropped
@@ -158,6 +170,7 @@ class ShmSlots:
         calls ``on_error`` if the verdict cannot be written (a full /dev/shm). ``plan``:
         what this rank's durable part of it holds (orchestrator/flush.py writes it)."""
         slot = snap.slot
+        self.join(slot)  # one verdict writer per slot at a time
         mapped, path = self._maps[slot], self._files[slot]
         assert mapped is not None and path is not None, "a snapshot not in shared memory"
         base = mapped.data_ptr()
@@ -178,34 +191,35 @@ class ShmSlots:
             # is never mixed with the other ranks' slots of the same step.
             "timeline": f"{self.attempt}-{rollbacks}",
         }
-        pickled = None
-        try:  # the plain values as JSON, tensors named by path (orchestrator/codec.py)
-            tensors: dict[str, torch.Tensor] = {}
-            verdict["skeleton"] = encode(snap.skeleton, "", tensors, snap.buffers)
-            index = {id(b): i for i, b in enumerate(snap.buffers)}
-            verdict["paths"] = {p: index[id(t)] for p, t in tensors.items()}
-        except PersistError:
-            # DeepSpeed's optimizer state holds objects (its loss scaler): pickled, as its
-            # own checkpoint files are (engines/native.py), and checksummed like the bytes.
-            buf = io.BytesIO()
-            torch.save(snap.skeleton, buf)
-            pickled = buf.getvalue()
-            verdict["pickle"] = {"file": f"rank{self.rank}.pkl", "crc32": zlib.crc32(pickled)}
 
-        def run() -> None:
+        def run() -> None:  # off the training thread; alloc() joins it before reusing the slot
             try:
+                self._values(snap, verdict, slot)
                 verdict["crc32"] = _crc(mapped)
-                if pickled is not None:
-                    write_bytes(
-                        os.path.join(self.root, f"slot{slot}", verdict["pickle"]["file"]), pickled
-                    )
                 write_atomic(self._verdict(slot), json.dumps(verdict))
             except Exception as err:  # the slot stays without a verdict: never used
                 on_error(err)
 
         t = threading.Thread(target=run, name="orchestrator-shm-seal", daemon=True)
         t.start()
-        self._sealing.append(t)
+        self._sealing[slot] = t
+
+    def _values(self, snap: Snapshot, verdict: dict[str, Any], slot: int) -> None:
+        """The plain values of ``snap`` into its verdict: JSON with the tensors named by
+        path (orchestrator/codec.py), or, for what JSON cannot hold (DeepSpeed's loss-scaler
+        object), pickled beside the slot, as its own checkpoint files are (engines/native.py),
+        and checksummed like the bytes."""
+        try:
+            tensors: dict[str, torch.Tensor] = {}
+            verdict["skeleton"] = encode(snap.skeleton, "", tensors, snap.buffers)
+            index = {id(b): i for i, b in enumerate(snap.buffers)}
+            verdict["paths"] = {p: index[id(t)] for p, t in tensors.items()}
+        except PersistError:
+            buf = io.BytesIO()
+            torch.save(snap.skeleton, buf)
+            pickled = buf.getvalue()
+            verdict["pickle"] = {"file": f"rank{self.rank}.pkl", "crc32": zlib.crc32(pickled)}
+            write_bytes(os.path.join(self.root, f"slot{slot}", verdict["pickle"]["file"]), pickled)
 
     def drop(self, slot: int) -> None:
         """Withdraw ``slot``'s verdict (about to be overwritten, or abandoned by a rollback)."""
@@ -214,10 +228,12 @@ class ShmSlots:
         except FileNotFoundError:
             pass
 
-    def join(self) -> None:
-        for t in self._sealing:
-            t.join()
-        self._sealing.clear()
+    def join(self, slot: int | None = None) -> None:
+        """Wait for the verdict of ``slot`` (None: of every slot) to be written."""
+        for s in [slot] if slot is not None else list(self._sealing):
+            t = self._sealing.pop(s, None)
+            if t is not None:
+                t.join()
 
     def corrupt(self, snap: Snapshot | None) -> None:
         """The ``corrupt_shm`` fault: flip bytes in the middle of ``snap``'s slot after its
@@ -235,25 +251,20 @@ class ShmSlots:
         one chosen."""
         found: dict[int, tuple[int, str]] = {}
         refused: list[str] = []
-        for slot in range(self.keep):
+        sealed = set()
+        for step, (slot, v) in verdicts(self.root).get(self.rank, {}).items():
+            sealed.add(slot)
+            if int(v["world_size"]) != self.world_size:
+                refused.append(
+                    f"slot {slot}: step {step} was taken at world size {v['world_size']}, "
+                    f"not {self.world_size}"
+                )
+            else:
+                found[step] = (slot, str(v.get("timeline")))
+        for slot in sorted(set(range(self.keep)) - sealed):
             d = os.path.join(self.root, f"slot{slot}")
-            mine = os.listdir(d) if os.path.isdir(d) else []
-            if not any(n.startswith(f"rank{self.rank}-") for n in mine):
-                continue
-            try:
-                with open(self._verdict(slot), encoding="utf-8") as f:
-                    v = json.load(f)
-                if int(v["world_size"]) != self.world_size:
-                    refused.append(
-                        f"slot {slot}: step {v['step']} was taken at world size "
-                        f"{v['world_size']}, not {self.world_size}"
-                    )
-                else:
-                    found[int(v["step"])] = (slot, str(v.get("timeline")))
-            except FileNotFoundError:
-                refused.append(f"slot {slot}: not sealed (no verdict)")
-            except (OSError, ValueError, KeyError) as err:
-                refused.append(f"slot {slot}: unreadable verdict ({err})")
+            if os.path.isdir(d) and any(n.startswith(f"rank{self.rank}-") for n in os.listdir(d)):
+                refused.append(f"slot {slot}: not sealed (no readable verdict)")
         return found, refused
 
     def check(self, slot: int) -> str | None:
@@ -283,7 +294,7 @@ class ShmSlots:
         leaves = []
         for off, dtype, shape in v["leaves"]:
             dt = dtype_of(dtype)
-            n = torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+            n = torch.Size(shape).numel() * dt.itemsize
             # A private mapping: the tensors are the restarted process's own (copy on write).
             leaves.append(mapped[off : off + n].view(dt).view(shape))
         if "pickle" in v:
@@ -293,7 +304,7 @@ class ShmSlots:
                 raise PersistError(f"slot {slot}: its pickled values do not match their checksum")
             # Checksummed above, written by this run on this node (see engines/native.py).
             skeleton = torch.load(io.BytesIO(data), weights_only=False)
-            tree: dict[str, Any] = _unflatten(skeleton, lambda leaf: leaves[leaf.index])
+            tree: dict[str, Any] = unflatten(skeleton, lambda leaf: leaves[leaf.index])
             return tree
         tree = decode(v["skeleton"], {p: leaves[i] for p, i in v["paths"].items()})
         return tree

@@ -26,29 +26,29 @@ class _Leaf:
     device: torch.device
 
 
-def _flatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
+def flatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
     """Replace every tensor in ``obj`` with a ``_Leaf`` placeholder, collecting the tensors."""
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return _Leaf(len(leaves) - 1, obj.device)
     if isinstance(obj, dict):
-        return {k: _flatten(v, leaves) for k, v in obj.items()}
+        return {k: flatten(v, leaves) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_flatten(v, leaves) for v in obj]
+        return [flatten(v, leaves) for v in obj]
     if type(obj) is tuple:  # subclasses (namedtuples, torch.Size) are kept whole
-        return tuple(_flatten(v, leaves) for v in obj)
+        return tuple(flatten(v, leaves) for v in obj)
     return copy.deepcopy(obj)
 
 
-def _unflatten(skel: Any, get: Callable[[_Leaf], torch.Tensor]) -> Any:
+def unflatten(skel: Any, get: Callable[[_Leaf], torch.Tensor]) -> Any:
     if isinstance(skel, _Leaf):
         return get(skel)
     if isinstance(skel, dict):
-        return {k: _unflatten(v, get) for k, v in skel.items()}
+        return {k: unflatten(v, get) for k, v in skel.items()}
     if isinstance(skel, list):
-        return [_unflatten(v, get) for v in skel]
+        return [unflatten(v, get) for v in skel]
     if type(skel) is tuple:
-        return tuple(_unflatten(v, get) for v in skel)
+        return tuple(unflatten(v, get) for v in skel)
     return copy.deepcopy(skel)
 
 
@@ -84,7 +84,7 @@ class Snapshot:
                 return buf.to(leaf.device)
             return buf.clone() if clone else buf
 
-        return _unflatten(self.skeleton[key], get)
+        return unflatten(self.skeleton[key], get)
 
 
 # Where a slot's buffers come from (orchestrator/shm.py): (slot, tensors to copy, the slot's
@@ -120,7 +120,7 @@ class SnapshotRing:
         if victim is None:
             return None
         leaves: list[torch.Tensor] = []
-        skeleton = _flatten(state, leaves)
+        skeleton = flatten(state, leaves)
         reuse = self._buffers[victim]
         if self._alloc is not None:
             reuse = self._alloc(victim, leaves, reuse)

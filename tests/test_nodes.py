@@ -242,30 +242,27 @@ def test_the_launcher_command_gives_the_node_count() -> None:
     assert launcher_nodes(torchrun, {}) == 1
 
 
-def test_a_node_back_late_joins_the_attempt_the_others_are_in(tmp_path: Path) -> None:
+def test_a_node_back_late_joins_the_attempt_the_others_are_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Attempt ids from every node's journal: a node resumes one past its own attempts, or
     joins the attempt another node has started, whichever is higher."""
     d = str(tmp_path)
 
     def start(node: str, attempt: int) -> None:
-        os.environ["ORCHESTRATOR_NODE"] = node  # Journal writes to this node's file
+        monkeypatch.setenv("ORCHESTRATOR_NODE", node)  # Journal writes this node's file
         j = Journal(d, -1, attempt)
         j.write("attempt_start", 0, {"node": node})
         j.close()
 
-    saved = os.environ.get("ORCHESTRATOR_NODE")
-    try:
-        start("n0", 0)
-        start("n1", 0)
-        for a in (1, 2, 3):  # node 1 is gone; node 0 keeps restarting
-            start("n0", a)
-        assert next_attempt_number(d, "n1") == 3  # joins node 0's attempt 3
-        assert next_attempt_number(d, "n0") == 4
-        assert next_attempt_number(d, "n2") == 3  # a node never seen before too
-    finally:
-        os.environ.pop("ORCHESTRATOR_NODE")
-        if saved is not None:
-            os.environ["ORCHESTRATOR_NODE"] = saved
+    start("n0", 0)
+    start("n1", 0)
+    for a in (1, 2, 3):  # node 1 is gone; node 0 keeps restarting
+        start("n0", a)
+    assert sorted(p.name for p in (tmp_path / "journal").iterdir()) == ["n0.jsonl", "n1.jsonl"]
+    assert next_attempt_number(d, "n1") == 3  # joins node 0's attempt 3
+    assert next_attempt_number(d, "n0") == 4
+    assert next_attempt_number(d, "n2") == 3  # a node never seen before too
 
 
 def test_peers_judge_liveness_by_change_not_by_clock(tmp_path: Path) -> None:

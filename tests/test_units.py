@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from inproc import events, train
 
 from orchestrator.adjust import LRAdjuster
 from orchestrator.data import GuardBatchSampler
 from orchestrator.detect import SpikeDetector
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import OrchestratorError, PolicyError
 from orchestrator.isolate import Bisection
 from orchestrator.journal import Journal, read_journal
 from orchestrator.policy import AdjustPolicy, SpikePolicy
@@ -391,3 +394,79 @@ def test_a_restart_takes_the_newest_step_every_rank_sealed_on_one_timeline() -> 
     assert refused[0] == "rank 1: slot 2: no verdict" and "step 50" in refused[1]
     assert agreeable(seen, newest_durable=45) == ([], refused)  # durable is newer
     assert agreeable([({30: "2-1"}, []), ({30: "2-1"}, [])], 30)[0] == [30]  # a tie: shm
+
+
+def test_shm_slots_take_awkward_tensors_and_refuse_another_world_size(tmp_path: Path) -> None:
+    """An empty shard (FSDP with more ranks than rows), a transposed (non-contiguous)
+    tensor, odd byte counts between aligned ones: all read back exactly. Slots sealed at
+    world size 2 are refused, with the reason, by a restart at world size 1."""
+    from orchestrator.shm import ShmSlots
+    from orchestrator.snapshot import SnapshotRing
+
+    root = str(tmp_path / "shm")
+    shm = ShmSlots(root, rank=0, world_size=2, keep=2, attempt=0)
+    ring = SnapshotRing(2, alloc=shm.alloc, on_drop=shm.drop)
+    state = {
+        "empty": torch.empty(0, 7),
+        "odd": torch.arange(3, dtype=torch.int8),
+        "t": torch.arange(12.0).reshape(3, 4).t(),
+        "f16": torch.randn(5, dtype=torch.float16),
+    }
+    snap = ring.capture(4, state)
+    assert snap is not None
+    snap.sealed = True
+    shm.seal(snap, on_error=lambda err: pytest.fail(repr(err)), plan={})
+    shm.join()
+    assert shm.check(snap.slot) is None
+    back = shm.load(snap.slot)
+    for k, v in state.items():
+        assert back[k].shape == v.shape and back[k].dtype == v.dtype and torch.equal(back[k], v)
+    found, refused = ShmSlots(root, rank=0, world_size=1, keep=2, attempt=1).candidates()
+    assert found == {} and refused == ["slot 0: step 4 was taken at world size 2, not 1"]
+
+
+def test_a_full_shared_memory_fails_with_what_to_do(tmp_path: Path) -> None:
+    """A tmpfs too small for a slot: the allocation fails at once with a PersistError that
+    names the size, the folder and the remedies (never a SIGBUS at the first write)."""
+    from orchestrator.errors import PersistError
+    from orchestrator.shm import ShmSlots
+
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)],
+                             capture_output=True, check=False)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        shm = ShmSlots(str(small / "ring"), rank=0, world_size=1, keep=2, attempt=0)
+        with pytest.raises(
+            PersistError, match=r"4\.00 MiB ring slot of rank 0 .*shared_memory: false"
+        ):
+            shm.alloc(0, [torch.zeros(2**20)], [])
+        assert not list((small / "ring" / "slot0").iterdir())  # nothing half-made left
+        # At Guard start, on a /dev/shm already nearly full (a container's 64 MiB one): a
+        # PolicyError that says how much is needed, where, and what to change.
+        with open(small / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:  # until the tmpfs is full
+                f.write(b"x" * 4096)
+        policy = {"snapshot": {"shared_memory": True, "shm_dir": str(small)}}
+        full = rf"in {small} on this node .*, but only .* free there: free or"
+        with pytest.raises(PolicyError, match=full):
+            train(tmp_path / "run", policy, steps=2)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_the_shared_memory_ring_without_a_supervisor_cleans_up_at_close(tmp_path: Path) -> None:
+    """Plain python, no supervisor: the Guard keeps its ring under snapshot.shm_dir while it
+    runs and removes it at close(); a shm_dir that does not exist is refused at start."""
+    shm_dir = tmp_path / "shm"
+    shm_dir.mkdir()
+    policy = {"snapshot": {"shared_memory": True, "shm_dir": str(shm_dir)}}
+    _, _, outcomes = train(tmp_path / "run", policy, steps=25)
+    assert outcomes.count("commit") == 25
+    assert [e["details"]["tier"] for e in events(tmp_path / "run", "snapshot")][-1] == "shm"
+    assert list(shm_dir.iterdir()) == []
+    missing = {"snapshot": {"shared_memory": True, "shm_dir": str(tmp_path / "nope")}}
+    with pytest.raises(PolicyError, match=r"but it does not exist: free or enlarge"):
+        train(tmp_path / "run2", missing, steps=2)
