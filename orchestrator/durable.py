@@ -125,7 +125,7 @@ class DurableTier:
             self.event("persist_skipped", snapshot_step=snap.step, reason="previous write busy")
             return
         self.requested = False
-        snap.held = True
+        snap.held = snap.persisted = True
         self.held = snap
         self.persister.submit(
             snap,
@@ -142,23 +142,32 @@ class DurableTier:
         rollbacks: int,
         timeout_s: float,
         beat: Callable[[], None],
+        together: bool = False,
     ) -> bool:
         """Outside the step protocol (end of run, preemption): wait for this rank's writer,
         snapshot the current state, persist it and wait for that too, each wait bounded by
         ``timeout_s`` and calling ``beat`` so the supervisor sees the rank alive.
+        ``together``: the snapshot's buffers are shared with other ranks (a node part in
+        shared memory), so every rank's writer must be idle before any captures, and every
+        rank must have captured before any writes (two all-reduces).
 
         Returns:
             True if this snapshot was written (on rank 0: committed).
         """
         if self.persister is None:
             return False
-        if not self._wait(timeout_s, beat):
-            return False  # the writer still reads the held snapshot: do not reuse it
+        idle = self._wait(timeout_s, beat)
+        if together:
+            idle = not self.comm.all_reduce_max(0 if idle else 1)
+        if not idle:
+            return False  # a writer still reads the held snapshot: do not reuse it
         if self.held is not None:
             self.held.held = False
             self.held = None
         self.busy = False
         snap = capture()
+        if together and self.comm.all_reduce_max(0 if snap is not None else 1):
+            return False  # (after every rank's share of the node part is copied)
         if snap is None:
             return False
         snap.wait()

@@ -24,7 +24,7 @@ from typing import Any
 from orchestrator.journal import Journal
 from orchestrator.policy import load_policy
 from orchestrator.protocol import EVENT_FLUSH, SUPERVISOR_RANK
-from orchestrator.shm import ShmSlots, agreeable, verdicts
+from orchestrator.shm import ShmSlots, agreeable, node_refusal, verdicts
 from orchestrator.snapshot import Snapshot, flatten
 from orchestrator.store import DurableStore, default_url
 
@@ -52,7 +52,12 @@ def flush(shm_dir: str, url: str, commit_timeout_s: float) -> dict[str, Any]:
     ]
     order, refused = agreeable(seen, newest_durable + 1)  # strictly newer than durable
     for step in order:
-        errors = [f"rank {r}: {e}" for r in found if (e := slots[r].check(found[r][step][0]))]
+        errors = [
+            f"rank {r}: {e}"
+            for r in found
+            if (e := node_refusal(found, step, found[r][step][1], None))
+            or (e := slots[r].check(found[r][step][0]))
+        ]
         if errors:
             refused += errors
             continue

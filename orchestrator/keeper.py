@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from orchestrator.adjust import LRAdjuster
 from orchestrator.comm import Comm
@@ -42,6 +43,10 @@ class StateKeeper:
         self.policy, self.comm, self.engine, self.ring = policy, comm, engine, ring
         self.durable, self.cursor, self.adjuster = durable, cursor, adjuster
         self.heartbeat, self.decide, self.shm = heartbeat, decide, shm
+        # Snapshots keep what every rank holds alike once per node, each rank copying its
+        # share: nobody may read the whole before every rank has copied (the step's
+        # all-reduce orders that in training; resume and persist_now order it themselves).
+        self._shares_node = shm is not None and len(shm.node_ranks or []) > 1
 
     def _sealed(
         self, snap: Snapshot, checked_through: int | None = None, rollbacks: int = 0
@@ -61,6 +66,14 @@ class StateKeeper:
             err,
         )
 
+    def _alike(self, state: dict[str, Any]) -> frozenset[str]:
+        """The keys of ``state`` every rank holds alike (those the durable tier takes from
+        rank 0 only): in shared memory, kept once per node."""
+        if self.shm is None:
+            return frozenset()
+        keys = list(state)
+        return frozenset(keys) - set(self.engine.part_keys(keys, holds_shared=False))
+
     def capture(self, step: int, initial: bool = False) -> Snapshot | None:
         """Copy the state at ``step`` into the ring (asynchronously where the device allows);
         the starting state (``initial``) is trusted as is, so it is sealed at once."""
@@ -73,7 +86,7 @@ class StateKeeper:
         state["guard"] = {"step": step, **shared, "adjust": self.adjuster.state_dict()}
         if local is not None:
             state["data"] = local
-        snap = self.ring.capture(step, state)
+        snap = self.ring.capture(step, state, self._alike(state))
         if snap is None:
             # Every slot is either the newest sealed one or still being persisted.
             self.decide(
@@ -93,6 +106,7 @@ class StateKeeper:
             step,
             tier="shm" if self.shm is not None else "memory",
             bytes=snap.nbytes,
+            copied_bytes=snap.copied,  # rank 0's; less where a node part is shared
             stall_ms=round((time.perf_counter() - t0) * 1e3, 3),
             initial=initial,
         )
@@ -118,6 +132,7 @@ class StateKeeper:
             rollbacks,
             timeout_s=timeout_s,
             beat=lambda: self.heartbeat.beat(step, phase=phase, force=True),
+            together=self._shares_node,
         )
 
     def resume(self) -> int | None:
@@ -134,8 +149,10 @@ class StateKeeper:
         tree, manifest, url = found
         g = tree["guard"]
         step = int(g["step"])
-        snap = self.ring.capture(step, tree)
+        snap = self.ring.capture(step, tree, self._alike(tree))
         assert snap is not None  # the ring is empty at start
+        if self._shares_node:
+            self.comm.all_reduce_max(0)  # every rank's share copied before any restores
         snap.wait()
         snap.sealed = True
         self._sealed(snap)

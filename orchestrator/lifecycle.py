@@ -97,8 +97,21 @@ def open_shm(policy: Policy, comm: Comm, run_dir: str, attempt: int) -> ShmSlots
     the supervisor named for this run and node, else in one of our own under shm_dir."""
     if not policy.snapshot.shared_memory:
         return None
-    root = os.environ.get(ENV_SHM_DIR) or shm_root(policy.snapshot.shm_dir, run_dir, node_name())
-    return ShmSlots(root, comm.global_rank, comm.world_size, policy.snapshot.keep, attempt)
+    node = node_name()
+    root = os.environ.get(ENV_SHM_DIR) or shm_root(policy.snapshot.shm_dir, run_dir, node)
+    # Which of the group's ranks share this node (they keep the state they hold alike once
+    # per node), and a name for their node files, the same on all of them.
+    ranks = comm.all_gather_object((comm.global_rank, node, os.urandom(4).hex()))
+    mine = sorted((r, token) for r, n, token in ranks if n == node)
+    return ShmSlots(
+        root,
+        comm.global_rank,
+        comm.world_size,
+        policy.snapshot.keep,
+        attempt,
+        node_ranks=[r for r, _ in mine],
+        token=mine[0][1],
+    )
 
 
 def check_memory(policy: Policy, comm: Comm, engine: Engine, shm_root: str | None = None) -> None:
@@ -111,12 +124,18 @@ def check_memory(policy: Policy, comm: Comm, engine: Engine, shm_root: str | Non
     snap = policy.snapshot
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     per_rank = engine.estimate_state_bytes()
-    need = per_rank * snap.keep * local_ranks
+    # In shared memory, state every rank holds alike is kept once per node.
+    copies = 1 if shm_root is not None and engine.state_replicated else local_ranks
+    need = per_rank * snap.keep * copies
     gib = 2**30
     problem = None
     detail = (
         f"snapshot.keep={snap.keep} needs {need / gib:.2f} GiB of host memory on this node "
-        f"({local_ranks} local rank(s) x {snap.keep} slots x {per_rank / gib:.3f} GiB)"
+        + (
+            f"({local_ranks} local rank(s) x {snap.keep} slots x {per_rank / gib:.3f} GiB)"
+            if copies > 1
+            else f"({snap.keep} slots x {per_rank / gib:.3f} GiB, kept once per node)"
+        )
     )
     remedy = "lower snapshot.keep, or free host memory, or raise snapshot.max_host_memory_gb"
     if snap.max_host_memory_gb is not None and need > snap.max_host_memory_gb * gib:

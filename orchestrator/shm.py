@@ -17,6 +17,14 @@ A slot whose snapshot is still being persisted (or changes shape) gets a new fil
 ``<gen>``); the old one is unlinked, and its mapping stays valid until dropped, so a reader
 never sees its bytes change or vanish.
 
+State that every rank of the group holds alike (DDP's model, optimizer, scheduler: the keys
+the engine's durable part gives rank 0 only) is kept once per node, in the slot's node file
+``node-<token>-<gen>.bin``: each of the node's L ranks copies 1/L of its bytes (a byte range
+cut at element boundaries), so the per-rank stall falls with L, and every rank maps the
+whole file, so a rollback or a restart reads it locally with no collective. Each rank's
+verdict covers its own share; a step is usable only when every rank that wrote a share has
+its verdict, naming the same node file and timeline, and the same ranks run on the node.
+
 ``root`` is ``$ORCHESTRATOR_SHM_DIR`` under the supervisor, which names it per run and node,
 keeps it across attempts and removes it when the job ends for good; without it, a folder
 under ``snapshot.shm_dir`` that the Guard removes at ``close()``.
@@ -47,8 +55,47 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _crc(buf: torch.Tensor) -> int:
-    return zlib.crc32(buf.numpy().data)
+def _crc(buf: torch.Tensor, segments: list[list[int]] | None = None, crc: int = 0) -> int:
+    """CRC32 of ``buf`` (uint8), or of its ``[offset, nbytes]`` segments, in order."""
+    data = buf.numpy().data
+    for off, n in segments if segments is not None else [[0, len(data)]]:
+        crc = zlib.crc32(data[off : off + n], crc)
+    return crc
+
+
+# What the ring copies of a tensor into its buffer: None, all of it; (a, b), the elements
+# a..b of its flattened view (this rank's share of a node part).
+Share = tuple[int, int] | None
+
+
+def node_refusal(
+    found: dict[int, dict[int, tuple[int, dict[str, Any]]]],
+    step: int,
+    verdict: dict[str, Any],
+    node_ranks: list[int] | None,
+) -> str | None:
+    """Why ``verdict``'s node part (the state kept once per node) is incomplete at ``step``:
+    a rank that wrote a share has no verdict for it, or one of another node file or
+    timeline, or other ranks run on the node now (``node_ranks``; None: do not ask)."""
+    node = verdict.get("node")
+    if node is None:
+        return None
+    ranks = [int(r) for r in node["ranks"]]
+    if node_ranks is not None and ranks != node_ranks:
+        return (
+            f"step {step}: its node part was written by ranks {ranks}, this node runs "
+            f"ranks {node_ranks} now"
+        )
+    for r in ranks:
+        other = found.get(r, {}).get(step)
+        if other is None:
+            return f"step {step}: rank {r}'s share of the node part has no verdict"
+        theirs = other[1]
+        if (theirs.get("node") or {}).get("file") != node["file"] or theirs.get(
+            "timeline"
+        ) != verdict.get("timeline"):
+            return f"step {step}: rank {r}'s share is of another node file or timeline"
+    return None
 
 
 def _mapped(path: str, size: int, shared: bool) -> torch.Tensor:
@@ -96,14 +143,36 @@ def verdicts(root: str) -> dict[int, dict[int, tuple[int, dict[str, Any]]]]:
 
 
 class ShmSlots:
-    """One rank's ring slots in ``root``: the ring's buffers, verdicts, reading back."""
+    """One rank's ring slots in ``root``: the ring's buffers, verdicts, reading back.
 
-    def __init__(self, root: str, rank: int, world_size: int, keep: int, attempt: int) -> None:
+    ``node_ranks``: the group's ranks on this node (sorted, this one included), which share
+    the node part of each slot; ``token`` names this group's node files (alike on those
+    ranks). One rank (or None, for a reader such as the flush helper): no node part."""
+
+    def __init__(
+        self,
+        root: str,
+        rank: int,
+        world_size: int,
+        keep: int,
+        attempt: int,
+        node_ranks: list[int] | None = None,
+        token: str = "",
+    ) -> None:
         self.root, self.rank, self.keep, self.attempt = root, rank, keep, attempt
         self.world_size = world_size
+        self.node_ranks, self.token = node_ranks, token
         self._maps: list[torch.Tensor | None] = [None] * keep  # each slot's mapped bytes
         self._files: list[str | None] = [None] * keep
-        self._gen = 0
+        self._node_maps: list[torch.Tensor | None] = [None] * keep  # the node part's
+        self._node_files: list[str | None] = [None] * keep
+        # Per slot, from its last allocation: which leaves live in the node part, what this
+        # rank copies of each, and the [offset, nbytes] of its share of the node file.
+        self._in_node: list[list[bool]] = [[] for _ in range(keep)]
+        self._copies: list[list[Share] | None] = [None] * keep
+        self._share: list[list[list[int]]] = [[] for _ in range(keep)]
+        self._offsets: list[tuple[list[int], list[int]]] = [([], []) for _ in range(keep)]
+        self._gen = self._node_gen = 0
         self._sealing: dict[int, threading.Thread] = {}  # slot -> its verdict being written
 
     def _verdict(self, slot: int) -> str:
@@ -111,52 +180,134 @@ class ShmSlots:
 
     # --- the ring's buffers ----------------------------------------------------------------
     def alloc(
-        self, slot: int, leaves: list[torch.Tensor], reuse: list[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """Buffers shaped like ``leaves`` in ``slot``'s file: ``reuse`` (the slot's last
-        buffers, [] when they may not be written) when they fit, else views of a new file.
-        The slot's verdict goes first: from here until it is sealed again, its bytes are
-        not a snapshot."""
+        self,
+        slot: int,
+        leaves: list[torch.Tensor],
+        reuse: list[torch.Tensor],
+        alike: list[bool] | None = None,
+    ) -> tuple[list[torch.Tensor], list[Share] | None]:
+        """Buffers shaped like ``leaves`` in ``slot``'s files, and what this rank copies
+        into each (None: all of each). ``reuse``: the slot's last buffers ([] when they may
+        not be written: decided alike on every rank), kept when they fit. ``alike`` marks
+        the leaves every rank of the node holds alike: they go to the node part, of which
+        this rank copies its share. The slot's verdict goes first: from here until it is
+        sealed again, its bytes are not a snapshot."""
         self.join(slot)  # its checksum may still be reading it (others' may run on)
         self.drop(slot)
-        if len(reuse) == len(leaves) and all(
-            b.shape == t.shape and b.dtype == t.dtype for b, t in zip(reuse, leaves, strict=True)
-        ):
-            return reuse
-        sizes = [t.numel() * t.element_size() for t in leaves]
-        total = sum(_aligned(n) for n in sizes) or ALIGN
-        old = self._files[slot]
+        shared = len(self.node_ranks or []) > 1 and alike is not None and any(alike)
+        in_node = list(alike) if shared and alike is not None else [False] * len(leaves)
+        same = len(reuse) == len(leaves) and in_node == self._in_node[slot]
+
+        def fits(part: bool) -> bool:
+            return same and all(
+                b.shape == t.shape and b.dtype == t.dtype
+                for b, t, n in zip(reuse, leaves, in_node, strict=True)
+                if n == part
+            )
+
+        # Each file is kept or replaced on its own: the node part's decision depends only on
+        # what every rank of the node holds alike, so they all take the same file.
+        own_at, node_at = self._offsets[slot]
+        if not fits(False):
+            own_at = self._new_file(
+                slot, [t for t, n in zip(leaves, in_node, strict=True) if not n]
+            )
+        if shared and not fits(True):
+            alike_leaves = [t for t, n in zip(leaves, in_node, strict=True) if n]
+            node_at = self._new_file(slot, alike_leaves, node=True)
+            self._share[slot], cut = self._cut(alike_leaves, node_at)
+            it = iter(cut)
+            self._copies[slot] = [next(it) if n else None for n in in_node]
+        elif not shared:
+            self._node_maps[slot] = self._node_files[slot] = None
+            self._share[slot], self._copies[slot] = [], None
+        self._in_node[slot], self._offsets[slot] = in_node, (own_at, node_at)
+        own, at = iter(own_at), iter(node_at)
+        out = []
+        for t, n in zip(leaves, in_node, strict=True):
+            mapped, off = (self._node_maps[slot], next(at)) if n else (self._maps[slot], next(own))
+            assert mapped is not None
+            size = t.numel() * t.element_size()
+            out.append(mapped[off : off + size].view(t.dtype).view(t.shape))
+        return out, self._copies[slot]
+
+    def _cut(
+        self, tensors: list[torch.Tensor], offsets: list[int]
+    ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        """This rank's share of the node part: the k-th of L equal byte ranges of the
+        tensors' bytes in a row, cut at element boundaries (every element belongs to exactly
+        one rank). Returns its [offset, nbytes] segments in the file and the element range
+        copied of each tensor."""
+        assert self.node_ranks is not None
+        count, k = len(self.node_ranks), self.node_ranks.index(self.rank)
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        total = sum(sizes)
+        lo, hi = total * k // count, total * (k + 1) // count
+        segments: list[list[int]] = []
+        copies: list[tuple[int, int]] = []
+        at = 0
+        for t, n, off in zip(tensors, sizes, offsets, strict=True):
+            e = t.element_size()
+            a, b = min(max(lo - at, 0), n) // e, min(max(hi - at, 0), n) // e
+            copies.append((a, b))
+            if b > a:
+                segments.append([off + a * e, (b - a) * e])
+            at += n
+        return segments, copies
+
+    def _new_file(self, slot: int, tensors: list[torch.Tensor], node: bool = False) -> list[int]:
+        """A new file for ``slot``'s tensors (this rank's own, or the node part: created by
+        the first of the node's ranks to get here, opened by the others), mapped shared;
+        returns each tensor's offset in it. The file it replaces is unlinked: a mapping of it (a
+        persisting reader's) lives on until dropped."""
+        offsets, total = [], 0
+        for t in tensors:
+            offsets.append(total)
+            total += _aligned(t.numel() * t.element_size())
+        total = total or ALIGN
         d = os.path.join(self.root, f"slot{slot}")
         os.makedirs(d, exist_ok=True)
-        if old is None:  # what an earlier process of this rank left in the slot
+        files = self._node_files if node else self._files
+        old = files[slot]
+        # This rank's files, or node files of this group, from an earlier process: the
+        # node's ranks name their node files alike (the group's token, one count).
+        mine = f"node-{self.token}-" if node else f"rank{self.rank}-"
+        if old is None:
             for name in os.listdir(d):
-                if name.startswith(f"rank{self.rank}-") and name.endswith(".bin"):
-                    os.unlink(os.path.join(d, name))
-        self._gen += 1
-        path = os.path.join(d, f"rank{self.rank}-{self._gen}.bin")
-        with open(path, "wb") as f:  # sized first: from_file maps exactly that
-            try:
-                # Reserved now: a full tmpfs would otherwise kill the training thread with
-                # SIGBUS at its first write into the mapping.
-                os.posix_fallocate(f.fileno(), 0, total)
-            except OSError as err:
-                f.close()
-                os.unlink(path)
-                raise PersistError(
-                    f"snapshot.shared_memory: no room for a {total / 2**20:.2f} MiB ring slot "
-                    f"of rank {self.rank} under {self.root} ({err.strerror}). Free or enlarge "
-                    f"{os.path.dirname(self.root)} (`df -h {os.path.dirname(self.root)}`), "
-                    "lower snapshot.keep, or set snapshot.shared_memory: false"
-                ) from err
+                if name.endswith(".bin") and (
+                    name.startswith(f"rank{self.rank}-")
+                    if not node
+                    else name.startswith("node-") and not name.startswith(mine)
+                ):
+                    _unlink(os.path.join(d, name))
+        if node:
+            self._node_gen += 1
+            path = os.path.join(d, f"{mine}{self._node_gen}.bin")
+        else:
+            self._gen += 1
+            path = os.path.join(d, f"{mine}{self._gen}.bin")
+        # Never truncated: another rank of the node may be writing its share already.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if node else os.O_TRUNC), 0o600)
+        try:
+            # Reserved now: a full tmpfs would otherwise kill the training thread with
+            # SIGBUS at its first write into the mapping.
+            os.posix_fallocate(fd, 0, total)
+        except OSError as err:
+            _unlink(path)
+            raise PersistError(
+                f"snapshot.shared_memory: no room for a {total / 2**20:.2f} MiB ring slot "
+                f"of rank {self.rank} under {self.root} ({err.strerror}). Free or enlarge "
+                f"{os.path.dirname(self.root)} (`df -h {os.path.dirname(self.root)}`), "
+                "lower snapshot.keep, or set snapshot.shared_memory: false"
+            ) from err
+        finally:
+            os.close(fd)
         mapped = _mapped(path, total, shared=True)
-        self._maps[slot], self._files[slot] = mapped, path
-        if old is not None:  # its mapping (a persisting reader's) lives on until dropped
-            os.unlink(old)
-        out, at = [], 0
-        for t, n in zip(leaves, sizes, strict=True):
-            out.append(mapped[at : at + n].view(t.dtype).view(t.shape))
-            at += _aligned(n)
-        return out
+        (self._node_maps if node else self._maps)[slot] = mapped
+        files[slot] = path
+        if old is not None:
+            _unlink(old)
+        return offsets
 
     def seal(
         self,
@@ -172,8 +323,9 @@ class ShmSlots:
         slot = snap.slot
         self.join(slot)  # one verdict writer per slot at a time
         mapped, path = self._maps[slot], self._files[slot]
+        node_map, in_node = self._node_maps[slot], self._in_node[slot]
         assert mapped is not None and path is not None, "a snapshot not in shared memory"
-        base = mapped.data_ptr()
+        bases = (mapped.data_ptr(), node_map.data_ptr() if node_map is not None else 0)
         verdict: dict[str, Any] = {
             "step": snap.step,
             "attempt": self.attempt,
@@ -181,8 +333,12 @@ class ShmSlots:
             "world_size": self.world_size,
             "file": os.path.basename(path),
             "bytes": mapped.numel(),
-            # Every tensor of the snapshot (by its index in the ring's list): where it is.
-            "leaves": [[b.data_ptr() - base, str(b.dtype), list(b.shape)] for b in snap.buffers],
+            # Every tensor of the snapshot (by its index in the ring's list): where it is,
+            # in this rank's file or in the node part.
+            "leaves": [
+                [b.data_ptr() - bases[n], str(b.dtype), list(b.shape), n]
+                for b, n in zip(snap.buffers, in_node, strict=True)
+            ],
             "persist": plan,
             "sealed": True,  # the steps after it checked finite (through ``checked_through``)
             "checked_through": checked_through,
@@ -191,11 +347,21 @@ class ShmSlots:
             # is never mixed with the other ranks' slots of the same step.
             "timeline": f"{self.attempt}-{rollbacks}",
         }
+        node_file = self._node_files[slot]
+        if node_map is not None and node_file is not None:
+            verdict["node"] = {
+                "file": os.path.basename(node_file),
+                "bytes": node_map.numel(),
+                "ranks": self.node_ranks,
+                "share": self._share[slot],  # this rank's [offset, nbytes]: its crc32
+            }
 
         def run() -> None:  # off the training thread; alloc() joins it before reusing the slot
             try:
                 self._values(snap, verdict, slot)
                 verdict["crc32"] = _crc(mapped)
+                if node_map is not None:
+                    verdict["node"]["crc32"] = _crc(node_map, verdict["node"]["share"])
                 write_atomic(self._verdict(slot), json.dumps(verdict))
             except Exception as err:  # the slot stays without a verdict: never used
                 on_error(err)
@@ -223,10 +389,7 @@ class ShmSlots:
 
     def drop(self, slot: int) -> None:
         """Withdraw ``slot``'s verdict (about to be overwritten, or abandoned by a rollback)."""
-        try:
-            os.unlink(self._verdict(slot))
-        except FileNotFoundError:
-            pass
+        _unlink(self._verdict(slot))
 
     def join(self, slot: int | None = None) -> None:
         """Wait for the verdict of ``slot`` (None: of every slot) to be written."""
@@ -236,12 +399,20 @@ class ShmSlots:
                 t.join()
 
     def corrupt(self, snap: Snapshot | None) -> None:
-        """The ``corrupt_shm`` fault: flip bytes in the middle of ``snap``'s slot after its
+        """The ``corrupt_shm`` fault: flip bytes in the middle of this rank's part of
+        ``snap``'s slot (its largest share of the node part, else its own file) after its
         verdict is written (the in-process ring shares them: a test fault, not a drill)."""
         self.join()
-        mapped = self._maps[snap.slot] if snap is not None else None
-        if mapped is not None:
-            mid = mapped.numel() // 2
+        if snap is None:
+            return
+        mapped, at, n = self._maps[snap.slot], 0, 0
+        share = self._share[snap.slot]
+        if self._node_maps[snap.slot] is not None and share:
+            mapped, (at, n) = self._node_maps[snap.slot], max(share, key=lambda s: s[1])
+        elif mapped is not None:
+            n = mapped.numel()
+        if mapped is not None and n >= 8:
+            mid = at + n // 2 - 4
             mapped[mid : mid + 8] ^= 0xFF
 
     # --- reading back (a restart) ---------------------------------------------------------
@@ -252,13 +423,17 @@ class ShmSlots:
         found: dict[int, tuple[int, str]] = {}
         refused: list[str] = []
         sealed = set()
-        for step, (slot, v) in verdicts(self.root).get(self.rank, {}).items():
+        every = verdicts(self.root)
+        for step, (slot, v) in every.get(self.rank, {}).items():
             sealed.add(slot)
+            why = node_refusal(every, step, v, self.node_ranks or [self.rank])
             if int(v["world_size"]) != self.world_size:
                 refused.append(
                     f"slot {slot}: step {step} was taken at world size {v['world_size']}, "
                     f"not {self.world_size}"
                 )
+            elif why is not None:
+                refused.append(f"slot {slot}: {why}")
             else:
                 found[step] = (slot, str(v.get("timeline")))
         for slot in sorted(set(range(self.keep)) - sealed):
@@ -267,38 +442,54 @@ class ShmSlots:
                 refused.append(f"slot {slot}: not sealed (no readable verdict)")
         return found, refused
 
+    def _read_verdict(self, slot: int) -> dict[str, Any]:
+        with open(self._verdict(slot), encoding="utf-8") as f:
+            v: dict[str, Any] = json.load(f)
+        return v
+
     def check(self, slot: int) -> str | None:
-        """Why ``slot`` cannot be used (its bytes do not match its verdict), or None."""
+        """Why ``slot`` cannot be used (this rank's bytes, and its share of the node part,
+        do not match its verdict), or None."""
         try:
-            with open(self._verdict(slot), encoding="utf-8") as f:
-                v = json.load(f)
-            path = os.path.join(self.root, f"slot{slot}", v["file"])
-            size = os.path.getsize(path)
-            if size != int(v["bytes"]):
-                return f"step {v['step']}: {size} bytes, its verdict says {v['bytes']}"
-            crc, want = _crc(_mapped(path, size, shared=False)), int(v["crc32"])
-            if crc != want:
-                return f"step {v['step']}: checksum {crc:#010x}, its verdict says {want:#010x}"
+            v = self._read_verdict(slot)
+            parts = [(v["file"], int(v["bytes"]), None, int(v["crc32"]), "")]
+            if "node" in v:
+                node = v["node"]
+                parts.append(
+                    (node["file"], int(node["bytes"]), node["share"], int(node["crc32"]), "node ")
+                )
+            for name, want_size, segments, want, what in parts:
+                path = os.path.join(self.root, f"slot{slot}", name)
+                size = os.path.getsize(path)
+                if size < want_size:
+                    return f"step {v['step']}: {what}file of {size} bytes, verdict: {want_size}"
+                crc = _crc(_mapped(path, want_size, shared=False), segments)
+                if crc != want:
+                    return (
+                        f"step {v['step']}: {what}checksum {crc:#010x}, its verdict says "
+                        f"{want:#010x}"
+                    )
         except (OSError, ValueError, KeyError) as err:
             return f"slot {slot}: {err}"
         return None
 
     def load(self, slot: int) -> dict[str, Any]:
-        """This rank's state from ``slot``: views of a private (copy-on-write) mapping of
-        its file, so nothing is copied until the state is loaded from them, and nothing
-        written to them reaches the slot."""
-        with open(self._verdict(slot), encoding="utf-8") as f:
-            v = json.load(f)
-        path = os.path.join(self.root, f"slot{slot}", v["file"])
-        mapped = _mapped(path, int(v["bytes"]), shared=False)
+        """This rank's state from ``slot``: views of private (copy-on-write) mappings of
+        its file and of the node part, so nothing is copied until the state is loaded from
+        them, and nothing written to them reaches the slot."""
+        v = self._read_verdict(slot)
+        d = os.path.join(self.root, f"slot{slot}")
+        maps = [_mapped(os.path.join(d, v["file"]), int(v["bytes"]), shared=False)]
+        if "node" in v:
+            maps.append(_mapped(os.path.join(d, v["node"]["file"]), int(v["node"]["bytes"]), False))
         leaves = []
-        for off, dtype, shape in v["leaves"]:
+        for off, dtype, shape, in_node in v["leaves"]:
             dt = dtype_of(dtype)
             n = torch.Size(shape).numel() * dt.itemsize
             # A private mapping: the tensors are the restarted process's own (copy on write).
-            leaves.append(mapped[off : off + n].view(dt).view(shape))
+            leaves.append(maps[int(in_node)][off : off + n].view(dt).view(shape))
         if "pickle" in v:
-            with open(os.path.join(self.root, f"slot{slot}", v["pickle"]["file"]), "rb") as f:
+            with open(os.path.join(d, v["pickle"]["file"]), "rb") as f:
                 data = f.read()
             if zlib.crc32(data) != int(v["pickle"]["crc32"]):
                 raise PersistError(f"slot {slot}: its pickled values do not match their checksum")
@@ -312,5 +503,13 @@ class ShmSlots:
     def close(self, remove: bool) -> None:
         self.join()
         self._maps = [None] * self.keep
+        self._node_maps = [None] * self.keep
         if remove:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

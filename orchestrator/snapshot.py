@@ -59,8 +59,10 @@ class Snapshot:
     skeleton: Any = None
     buffers: list[torch.Tensor] = field(default_factory=list)
     nbytes: int = 0
+    copied: int = 0  # bytes this rank copied: less than nbytes where ranks share a node part
     ready: Any = None  # CUDA event recorded after the copies, or None on CPU
     held: bool = False  # being written to durable storage: its buffers must not be reused
+    persisted: bool = False  # was handed to durable storage (decided alike on every rank)
     slot: int = -1  # the ring slot it lives in
 
     def wait(self) -> None:
@@ -88,8 +90,13 @@ class Snapshot:
 
 
 # Where a slot's buffers come from (orchestrator/shm.py): (slot, tensors to copy, the slot's
-# last buffers, [] when they may not be written) -> buffers shaped like the tensors.
-Alloc = Callable[[int, list[torch.Tensor], list[torch.Tensor]], list[torch.Tensor]]
+# last buffers ([] when they may not be written), which tensors every rank holds alike) ->
+# (buffers shaped like the tensors, what this rank copies of each: None for all of every
+# one, else per tensor None (all) or the elements (a, b) of its flattened view).
+Alloc = Callable[
+    [int, list[torch.Tensor], list[torch.Tensor], list[bool]],
+    tuple[list[torch.Tensor], list[tuple[int, int] | None] | None],
+]
 
 
 class SnapshotRing:
@@ -97,7 +104,10 @@ class SnapshotRing:
 
     ``alloc`` and ``on_drop`` put the slots elsewhere than private host memory (node shared
     memory, orchestrator/shm.py): ``alloc`` gives a slot's buffers, ``on_drop(slot)`` says
-    that a slot no longer holds a usable snapshot (a rollback abandoned it)."""
+    that a slot no longer holds a usable snapshot (a rollback abandoned it). Buffers from
+    ``alloc`` may be shared with the node's other ranks, each copying its share: a slot
+    whose snapshot was handed to durable storage then never has its buffers written again
+    (a writer on another rank may still read them), whatever this rank's writer says."""
 
     def __init__(
         self, keep: int, alloc: Alloc | None = None, on_drop: Callable[[int], None] | None = None
@@ -113,18 +123,31 @@ class SnapshotRing:
         self._alloc, self._on_drop = alloc, on_drop
 
     # --- capture --------------------------------------------------------------------------
-    def capture(self, step: int, state: dict[str, Any]) -> Snapshot | None:
+    def capture(
+        self, step: int, state: dict[str, Any], alike: frozenset[str] = frozenset()
+    ) -> Snapshot | None:
         """Copy ``state`` into a free slot: the oldest one that is neither the newest sealed
-        nor being persisted. Returns None (nothing copied) when no slot is free."""
+        nor being persisted. ``alike``: the top-level keys every rank holds alike (``alloc``
+        may keep them once per node). Returns None (nothing copied) when no slot is free."""
         victim = self._victim()
         if victim is None:
             return None
         leaves: list[torch.Tensor] = []
-        skeleton = flatten(state, leaves)
+        skeleton: dict[str, Any] = {}
+        mask: list[bool] = []
+        for key, value in state.items():
+            before = len(leaves)
+            skeleton[key] = flatten(value, leaves)
+            mask += [key in alike] * (len(leaves) - before)
         reuse = self._buffers[victim]
+        copies: list[tuple[int, int] | None] | None = None
         if self._alloc is not None:
-            reuse = self._alloc(victim, leaves, reuse)
+            prev = self.slots[victim]
+            if prev is not None and prev.persisted:
+                reuse = []
+            reuse, copies = self._alloc(victim, leaves, reuse, mask)
         buffers: list[torch.Tensor] = []
+        copied = 0
         on_cuda = any(t.is_cuda for t in leaves)
         if on_cuda:
             if self._stream is None:
@@ -135,7 +158,14 @@ class SnapshotRing:
                 dst = reuse[i] if i < len(reuse) else None
                 if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
                     dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
-                dst.copy_(src.detach(), non_blocking=src.is_cuda)
+                part = copies[i] if copies is not None else None
+                if part is None:
+                    dst.copy_(src.detach(), non_blocking=src.is_cuda)
+                    copied += dst.numel() * dst.element_size()
+                elif part[1] > part[0]:  # this rank's share of a tensor kept once per node
+                    a, b = part
+                    dst.view(-1)[a:b].copy_(src.detach().reshape(-1)[a:b], non_blocking=src.is_cuda)
+                    copied += (b - a) * dst.element_size()
                 buffers.append(dst)
         ready = None
         if on_cuda:
@@ -146,6 +176,7 @@ class SnapshotRing:
             skeleton=skeleton,
             buffers=buffers,
             nbytes=sum(b.numel() * b.element_size() for b in buffers),
+            copied=copied,
             ready=ready,
             slot=victim,
         )
@@ -201,8 +232,8 @@ class SnapshotRing:
                 self.slots[i] = None
                 if self._on_drop is not None:
                     self._on_drop(i)
-                if s.held:  # the persist thread still reads them: the slot gets new ones
-                    self._buffers[i] = []
+                if s.held or (s.persisted and self._alloc is not None):
+                    self._buffers[i] = []  # a persist thread may read them: new ones
 
     def pick(self, bad_step: int, min_age_steps: int) -> tuple[Snapshot | None, bool]:
         """Newest sealed snapshot at least ``min_age_steps`` older than ``bad_step``.

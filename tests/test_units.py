@@ -425,6 +425,91 @@ def test_shm_slots_take_awkward_tensors_and_refuse_another_world_size(tmp_path: 
     assert found == {} and refused == ["slot 0: step 4 was taken at world size 2, not 1"]
 
 
+def test_state_held_alike_is_kept_once_per_node_each_rank_copying_its_share(
+    tmp_path: Path,
+) -> None:
+    """Two ranks of one node (two slots objects in one process): the keys every rank holds
+    alike go to one node file, of which each rank copies its half (cut inside tensors, at
+    element boundaries, across odd sizes and dtypes); each reads the whole back. A step is
+    refused while a share has no verdict or after the node's ranks change; a flipped byte
+    is refused by the rank whose share holds it; a snapshot handed to durable storage never
+    has its node file written again; ranks whose own keys differ in shape still agree on
+    the node file."""
+    from orchestrator.shm import ShmSlots
+    from orchestrator.snapshot import SnapshotRing
+
+    root = str(tmp_path / "shm")
+    g = torch.Generator().manual_seed(0)
+    alike = {
+        "model": {
+            "emb": torch.randn(11, 5, generator=g).to(torch.bfloat16),  # odd vocabulary
+            "empty": torch.empty(0, 3),
+            "b": torch.randn(7, generator=g),
+            "t": torch.randn(3, 4, generator=g).t(),  # not contiguous
+        },
+        "optim": {"step": torch.tensor(3, dtype=torch.int64), "lr": 0.1},
+    }
+    slots = [ShmSlots(root, r, 2, keep=2, attempt=1, node_ranks=[0, 1], token="tk") for r in (0, 1)]
+    rings = [SnapshotRing(2, alloc=s.alloc, on_drop=s.drop) for s in slots]
+    keys = frozenset({"model", "optim"})
+
+    def state(rank: int, n: int = 3) -> dict[str, Any]:
+        return {**alike, "rng": torch.full((n + rank,), rank, dtype=torch.uint8)}
+
+    def capture(step: int, n: int = 3) -> list[Any]:
+        first = rings[0].capture(step, state(0, n), keys)
+        assert first is not None  # only rank 0 has copied: half of the node part is missing
+        wanted = [*alike["model"].values(), alike["optim"]["step"]]
+        assert not all(torch.equal(b, w) for b, w in zip(first.buffers, wanted, strict=False))
+        second = rings[1].capture(step, state(1, n), keys)
+        assert second is not None and all(  # now whole, seen through rank 0's mapping too
+            torch.equal(b, w) for b, w in zip(first.buffers, wanted, strict=False)
+        )
+        return [first, second]
+
+    snaps = capture(10)
+    nodes = {s._node_files[0] for s in slots}
+    assert len(nodes) == 1 and None not in nodes  # one node file, mapped by both
+    for r, snap in enumerate(snaps):
+        snap.sealed = True
+        back = snap.materialize("model", clone=True)
+        assert all(torch.equal(back[k], v) for k, v in alike["model"].items())
+        slots[r].seal(snap, on_error=lambda err: pytest.fail(repr(err)), plan={})
+        slots[r].join()
+    shares = [s._share[0] for s in slots]
+    assert sum(n for share in shares for _, n in share) == sum(
+        t.numel() * t.element_size() for t in (*alike["model"].values(), alike["optim"]["step"])
+    )
+    for r, s in enumerate(slots):
+        assert s.candidates() == ({10: (0, "1-0")}, []) and s.check(0) is None
+        back = s.load(0)
+        assert all(torch.equal(back["model"][k], v) for k, v in alike["model"].items())
+        assert back["optim"] == {"step": 3, "lr": 0.1} and torch.equal(back["rng"], state(r)["rng"])
+    # Another set of ranks on the node now, or a share without its verdict: refused.
+    alone = ShmSlots(root, 0, 2, keep=2, attempt=2, node_ranks=[0], token="x")
+    assert "this node runs ranks [0]" in alone.candidates()[1][0]
+    slots[1].drop(0)
+    assert "rank 1's share of the node part has no verdict" in slots[0].candidates()[1][0]
+    slots[1].seal(snaps[1], on_error=lambda err: pytest.fail(repr(err)), plan={})
+    slots[1].join()
+    # A flipped byte in rank 1's share: rank 1 refuses it, rank 0's share is intact.
+    slots[1].corrupt(snaps[1])
+    assert "node checksum" in (slots[1].check(0) or "") and slots[0].check(0) is None
+    # Slot 1, then slot 0 again after its snapshot was handed to durable storage: a new node
+    # file (a writer may still read the old one), the same on both ranks, even though rank
+    # 1's own key changed shape in between.
+    for snap in capture(20):
+        snap.sealed = True  # the newest sealed: slot 0 is the next victim
+    for snap in snaps:
+        snap.persisted = True
+    capture(30, n=5)
+    assert len({s._node_files[0] for s in slots}) == 1 and slots[0]._node_files[0] not in nodes
+    for s in slots:
+        s.close(remove=False)
+    slots[0].close(remove=True)
+    assert not Path(root).exists()
+
+
 def test_a_full_shared_memory_fails_with_what_to_do(tmp_path: Path) -> None:
     """A tmpfs too small for a slot: the allocation fails at once with a PersistError that
     names the size, the folder and the remedies (never a SIGBUS at the first write)."""
