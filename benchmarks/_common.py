@@ -74,6 +74,21 @@ def timed(fn: Any, reps: int) -> float:
     return statistics.median(times)
 
 
+def copy_baseline(tensors: list[torch.Tensor], reps: int) -> float:
+    """Median seconds to copy exactly ``tensors`` (the bytes and dtypes a snapshot copies,
+    one ``copy_`` each) into preallocated host buffers whose pages were touched first: the
+    physical floor a snapshot of them is compared with."""
+    dsts = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
+    for d, t in zip(dsts, tensors, strict=True):
+        d.copy_(t)  # first touch of the pages is not part of a copy
+
+    def copy() -> None:
+        for d, t in zip(dsts, tensors, strict=True):
+            d.copy_(t)
+
+    return timed(copy, reps)
+
+
 def incident_to_next_commit(guard: Any, loss_fn: Any, loader: Any, max_steps: int) -> float:
     """Seconds from the step that returned "incident" to the next committed step, in a real
     Guard loop whose policy injects one NaN."""

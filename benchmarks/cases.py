@@ -28,6 +28,7 @@ from _common import (
     SyntheticTokens,
     barrier,
     build,
+    copy_baseline,
     incident_to_next_commit,
     loss_of,
     run_or_collect,
@@ -37,6 +38,7 @@ from _common import (
 from orchestrator import Guard, parse_policy
 from orchestrator.comm import Comm
 from orchestrator.engines import TorchEngine
+from orchestrator.shm import ShmSlots
 from orchestrator.snapshot import SnapshotRing
 
 #: parameters -> (d_model, layers) of the example GPT (12 d^2 parameters per layer)
@@ -77,12 +79,14 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
     state_bytes = sum(t.numel() * t.element_size() for t in _tensors(engine.state()))
     nbytes = snap.nbytes
 
+    # The floor: the same tensors copied plainly; and the same bytes as one flat copy.
+    memcpy_s = copy_baseline(_tensors(engine.state()), reps)
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8)
     dst.copy_(src)  # first touch of the pages is not part of a copy
-    memcpy_s = timed(lambda: dst.copy_(src), reps)
     src_np, dst_np = src.numpy(), dst.numpy()
     memcpy_np_s = timed(lambda: np.copyto(dst_np, src_np), reps)
+    shm = _shm_ring(comm, engine, reps, state_bytes)
 
     base = _shared_dir(comm)
     n = 0
@@ -168,6 +172,35 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
         "torch_load_ms": torch_load_s * 1e3,
         "dcp_load_ms": dcp_load_s * 1e3,
         "ring_slot_over_state": nbytes / state_bytes,
+        **shm,
+    }
+
+
+def _shm_ring(comm: Comm, engine: TorchEngine, reps: int, state_bytes: int) -> dict[str, Any]:
+    """The ring in node shared memory (snapshot.shared_memory), every rank of this machine
+    on one node: the replicated state is kept once, each rank copying its share."""
+    root = str(comm.broadcast_object(tempfile.mkdtemp(prefix="bench-suite-shm-", dir="/dev/shm")))
+    token = str(comm.broadcast_object(os.urandom(4).hex()))
+    ranks = list(range(comm.world_size))
+    slots = ShmSlots(root, comm.rank, comm.world_size, 2, attempt=0, node_ranks=ranks, token=token)
+    ring = SnapshotRing(2, alloc=slots.alloc, on_drop=slots.drop)
+    keys = list(engine.state())
+    alike = frozenset(keys) - set(engine.part_keys(keys, holds_shared=False))
+    t0 = time.perf_counter()
+    first = ring.capture(0, engine.state(), alike)
+    first_s = time.perf_counter() - t0
+    assert first is not None
+    first.sealed = True
+    ring.capture(1, engine.state(), alike)
+    steady_s = timed(lambda: ring.capture(2, engine.state(), alike), reps)
+    barrier()
+    node_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+    barrier()
+    slots.close(remove=comm.rank == 0)
+    return {
+        "shm_first_ms": first_s * 1e3,
+        "shm_ms": steady_s * 1e3,
+        "shm_node_slot_over_state": node_bytes / ring.keep / state_bytes,
     }
 
 

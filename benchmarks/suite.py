@@ -110,7 +110,8 @@ def tables(results: list[dict[str, Any]]) -> str:
             "ours <= 1.5x memcpy, torch.save >= 15x ours, async_save stall >= 3x ours, ring "
             "slot <= 1.05x state)",
             "",
-            "| params | ranks | MB/rank | memcpy (torch / numpy) | disk | ours first / steady "
+            "| params | ranks | MB/rank | memcpy (same tensors / flat numpy) | disk "
+            "| ours first / steady "
             "| ours / memcpy | torch.save / ours | dcp.save / ours | async_save stall / ours "
             "(total) | restore: ours / torch.load / dcp.load | ring slot / state |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -132,6 +133,30 @@ def tables(results: list[dict[str, Any]]) -> str:
                 f"{x['dcp_load_ms']:.0f} ms "
                 f"| {_mark(x['ring_slot_over_state'], 1.05, False)} |"
             )
+        lines += [
+            "",
+            "**Shared-memory ring** (snapshot.shared_memory, the same state; the ranks of a "
+            "node keep the replicated state once, each copying its share; targets at 2 ranks: "
+            "stall <= 0.6x the private ring's full copy, torch.save >= 15x ours; node memory "
+            "per slot <= 1.05x the state)",
+            "",
+            "| params | ranks | private ring (full copy) | shm ring first / steady | shm / private "
+            "| torch.save / shm | node shm per slot / state |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in snap:
+            x = r["result"]
+            if "shm_ms" not in x:
+                continue
+            ratio = x["shm_ms"] / x["ours_ms"]
+            lines.append(
+                f"| {x['params_m']:.1f}M | {x['world_size']} | {x['ours_ms']:.1f} ms "
+                f"| {x['shm_first_ms']:.1f} / {x['shm_ms']:.1f} ms "
+                f"| {_mark(ratio, 0.6, False) if x['world_size'] > 1 else f'{ratio:.2f}x'} "
+                f"| {_mark(x['torch_save_ms'] / x['shm_ms'], 15, True)} "
+                f"| {_mark(x['shm_node_slot_over_state'], 1.05, False)} |"
+            )
+        lines.append("")
         by_size: dict[str, dict[int, float]] = {}
         for r in snap:
             by_size.setdefault(r["size"], {})[r["nproc"]] = r["result"]["ours_ms"]
@@ -236,8 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", default="bench-results.json", help="JSON with every number")
     run.add_argument("--md", default="bench-results.md", help="the markdown tables")
     run.add_argument("--docs", action="store_true", help="put the tables in docs/benchmarks.md")
+    run.add_argument("--cases", nargs="+", choices=sorted(BYTES_PER_PARAM), help="only these cases")
+    run.add_argument("--sizes", nargs="+", choices=sorted(PARAMS), help="only these sizes")
     args = ap.parse_args(argv)
-    runs = plan(args.quick)
+    runs = [
+        r
+        for r in plan(args.quick)
+        if (not args.cases or r["case"] in args.cases)
+        and (not args.sizes or r["size"] in args.sizes)
+    ]
     print(f"{len(runs)} cases", flush=True)
     results = execute(runs)
     doc = {

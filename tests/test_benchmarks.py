@@ -52,6 +52,13 @@ def test_suite_cases_run_and_tabulate() -> None:
         results += [{"case": case, "size": "tiny", "nproc": row["world_size"], "result": row}
                     for row in rows]  # fmt: skip
     md = tables(results)
-    for heading in ("Snapshot stall and restore", "Detection cost", "Recovery"):
+    for heading in (
+        "Snapshot stall and restore",
+        "Shared-memory ring",
+        "Detection cost",
+        "Recovery",
+    ):
         assert heading in md
-    assert md.count("\n| 0.0M |") == 2  # one snapshot row per world size
+    assert md.count("\n| 0.0M |") == 4  # one row per world size, private ring and shared
+    for row in (r["result"] for r in results if r["case"] == "snapshot"):
+        assert row["shm_node_slot_over_state"] < 1.1  # the replicated state counted once
