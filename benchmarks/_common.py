@@ -74,9 +74,22 @@ def timed(fn: Any, reps: int) -> float:
     return statistics.median(times)
 
 
-def copy_baseline(tensors: list[torch.Tensor], reps: int) -> float:
-    """Median seconds to copy exactly ``tensors`` (the bytes and dtypes a snapshot copies,
-    one ``copy_`` each) into preallocated host buffers whose pages were touched first: the
+def interleaved(fns: dict[str, Any], reps: int) -> dict[str, float]:
+    """Median seconds of each of ``fns``, timed in turn within every repetition (every rank
+    starting each together), so drift on a shared machine hits all of them alike."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def copy_baseline(tensors: list[torch.Tensor]) -> Any:
+    """A function copying exactly ``tensors`` (the bytes and dtypes a snapshot copies, one
+    ``copy_`` each) into preallocated host buffers whose pages were touched first: the
     physical floor a snapshot of them is compared with."""
     dsts = [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
     for d, t in zip(dsts, tensors, strict=True):
@@ -86,7 +99,7 @@ def copy_baseline(tensors: list[torch.Tensor], reps: int) -> float:
         for d, t in zip(dsts, tensors, strict=True):
             d.copy_(t)
 
-    return timed(copy, reps)
+    return copy
 
 
 def incident_to_next_commit(guard: Any, loss_fn: Any, loader: Any, max_steps: int) -> float:

@@ -24,7 +24,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _common import SEQ, VOCAB, barrier, build, copy_baseline, loss_of, run_or_collect, timed
+from _common import (
+    SEQ,
+    VOCAB,
+    barrier,
+    build,
+    copy_baseline,
+    interleaved,
+    loss_of,
+    run_or_collect,
+    timed,
+)
 
 from orchestrator.comm import Comm
 from orchestrator.snapshot import SnapshotRing, flatten
@@ -65,12 +75,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ring = SnapshotRing(keep=2)
     ring.capture(0, ours_state).sealed = True  # allocate both slots
     ring.capture(1, ours_state)
-    ours_stall = timed(lambda: ring.capture(2, ours_state), args.reps)
-    snap = ring.snapshots()[-1]
     # The same tensors the ring copies (this rank's shards, their dtypes), copied plainly.
     leaves: list[torch.Tensor] = []
     flatten(ours_state, leaves)
-    memcpy = copy_baseline(leaves, args.reps)
+    t = interleaved(
+        {"ours": lambda: ring.capture(2, ours_state), "memcpy": copy_baseline(leaves)}, args.reps
+    )
+    ours_stall, memcpy = t["ours"], t["memcpy"]
+    snap = ring.snapshots()[-1]
 
     # Ours, background: one rank's part (rank 0 holds the replicated state) + commit.
     def ours_write() -> None:

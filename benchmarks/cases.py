@@ -30,6 +30,7 @@ from _common import (
     build,
     copy_baseline,
     incident_to_next_commit,
+    interleaved,
     loss_of,
     run_or_collect,
     timed,
@@ -74,19 +75,28 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
     assert first is not None
     first.sealed = True
     ring.capture(1, engine.state())
-    steady_s = timed(lambda: ring.capture(2, engine.state()), reps)
     snap = ring.snapshots()[-1]
     state_bytes = sum(t.numel() * t.element_size() for t in _tensors(engine.state()))
     nbytes = snap.nbytes
-
     # The floor: the same tensors copied plainly; and the same bytes as one flat copy.
-    memcpy_s = copy_baseline(_tensors(engine.state()), reps)
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8)
     dst.copy_(src)  # first touch of the pages is not part of a copy
     src_np, dst_np = src.numpy(), dst.numpy()
-    memcpy_np_s = timed(lambda: np.copyto(dst_np, src_np), reps)
-    shm = _shm_ring(comm, engine, reps, state_bytes)
+    shm_ring, shm = _shm_ring(comm, engine, state_bytes)
+    t = interleaved(
+        {
+            "ours": lambda: ring.capture(2, engine.state()),
+            "shm": shm_ring,
+            "memcpy": copy_baseline(_tensors(engine.state())),
+            "numpy": lambda: np.copyto(dst_np, src_np),
+        },
+        reps,
+    )
+    steady_s, memcpy_s, memcpy_np_s = t["ours"], t["memcpy"], t["numpy"]
+    shm["shm_ms"] = t["shm"] * 1e3
+    barrier()
+    shm.pop("close")()
 
     base = _shared_dir(comm)
     n = 0
@@ -176,9 +186,10 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _shm_ring(comm: Comm, engine: TorchEngine, reps: int, state_bytes: int) -> dict[str, Any]:
+def _shm_ring(comm: Comm, engine: TorchEngine, state_bytes: int) -> tuple[Any, dict[str, Any]]:
     """The ring in node shared memory (snapshot.shared_memory), every rank of this machine
-    on one node: the replicated state is kept once, each rank copying its share."""
+    on one node: the replicated state is kept once, each rank copying its share. Returns a
+    steady capture to time, and its numbers (``close`` removes it)."""
     root = str(comm.broadcast_object(tempfile.mkdtemp(prefix="bench-suite-shm-", dir="/dev/shm")))
     token = str(comm.broadcast_object(os.urandom(4).hex()))
     ranks = list(range(comm.world_size))
@@ -186,21 +197,19 @@ def _shm_ring(comm: Comm, engine: TorchEngine, reps: int, state_bytes: int) -> d
     ring = SnapshotRing(2, alloc=slots.alloc, on_drop=slots.drop)
     keys = list(engine.state())
     alike = frozenset(keys) - set(engine.part_keys(keys, holds_shared=False))
+    barrier()
     t0 = time.perf_counter()
     first = ring.capture(0, engine.state(), alike)
     first_s = time.perf_counter() - t0
     assert first is not None
     first.sealed = True
     ring.capture(1, engine.state(), alike)
-    steady_s = timed(lambda: ring.capture(2, engine.state(), alike), reps)
     barrier()
     node_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
-    barrier()
-    slots.close(remove=comm.rank == 0)
-    return {
+    return lambda: ring.capture(2, engine.state(), alike), {
         "shm_first_ms": first_s * 1e3,
-        "shm_ms": steady_s * 1e3,
         "shm_node_slot_over_state": node_bytes / ring.keep / state_bytes,
+        "close": lambda: slots.close(remove=comm.rank == 0),
     }
 
 

@@ -118,6 +118,12 @@ class Peers:
         self._thread = threading.Thread(target=self._run, name="supervisor-beat", daemon=True)
         self._thread.start()
 
+    def publish(self, **fields: Any) -> None:
+        """Say more in this node's file (the replica server's address)."""
+        with self._lock:
+            self._mine.update(fields)
+        self._write()
+
     def at(self, attempt: int) -> None:
         with self._lock:
             self._mine["attempt"] = attempt

@@ -44,6 +44,7 @@ from launch.outcomes import (
     next_attempt_number,
 )
 from launch.procs import Handles, descendants, describe, die_with_parent, tee
+from launch.replica import Replicator
 from orchestrator.heartbeat import progress_time, read_heartbeats, suspects
 from orchestrator.journal import Journal
 from orchestrator.policy import Policy
@@ -104,17 +105,31 @@ class Supervisor:
         self._attempt = 0  # the current attempt
         self._lost: str | None = None  # why the current attempt was stopped for a lost node
         self._ended: Ended | None = None  # a peer that ended the job while we waited for it
+        # snapshot.replicate: buddy: our ring's copy on another node, theirs here.
+        self.replica: Replicator | None = None
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> int:
         """Run attempts until one succeeds or a stop rule fires; return the exit code."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         self.peers.start()
+        if self.policy.snapshot.replicate == "buddy" and self.nnodes > 1:
+            self.replica = Replicator(
+                self.run_dir,
+                self.node,
+                self.shm_dir,
+                self.peers.others,
+                lambda kind, step, details: self.journal.write(kind, step, details),
+                self.sup.heartbeat_interval_s,
+            )
+            self.peers.publish(replica=self.replica.address)
         code, why = 1, "the supervisor failed (see its traceback)"
         try:
             code, why = self._loop()
             return code
         finally:
+            if self.replica is not None:
+                self.replica.close()
             if code != EXIT_OK and os.path.isdir(self.shm_dir):
                 self._flush()
             shutil.rmtree(self.shm_dir, ignore_errors=True)
@@ -139,6 +154,10 @@ class Supervisor:
                     best,
                     {"cmd": self.cmd, "host": self.host, "node": self.node},
                 )
+                if self.replica is not None:
+                    if attempt > 0:  # a ring lost with its node (or supervisor): a copy
+                        self.replica.fetch_if_empty()
+                    self.replica.start()
                 a = self._run_attempt(attempt)
                 progressed = (a.best_step is not None and a.best_step > best) or (
                     # A script without the Guard writes no heartbeats: a long life is progress.
@@ -236,6 +255,8 @@ class Supervisor:
                 # One past ours, or the attempt the other nodes are already in (launch/nodes.py).
                 attempt = max(attempt + 1, next_attempt_number(self.run_dir, self.node))
         finally:
+            if self.replica is not None:  # it journals: before the journal closes
+                self.replica.close()
             journal.close()
 
     def _backoff(self, restart: int) -> float:

@@ -45,9 +45,21 @@ class SnapshotPolicy(_Section):
     shm_dir: str = Field(
         "/dev/shm", description="Where the shared-memory ring lives (a tmpfs on each node)."
     )
+    replicate: Literal["none", "buddy"] = Field(
+        "none",
+        description="buddy: each node's supervisor copies its newest complete sealed slot "
+        "into another node's shared memory (over TCP, off the training processes), so a "
+        "node that is replaced or loses its ring resumes from that copy instead of the "
+        "durable tier. Needs shared_memory and the supervisor under several nodes.",
+    )
 
     @model_validator(mode="after")
     def _age_reachable(self) -> SnapshotPolicy:
+        if self.replicate != "none" and not self.shared_memory:
+            raise ValueError(
+                f"replicate={self.replicate!r} copies the shared-memory ring: set "
+                "shared_memory: true too, or replicate: none"
+            )
         history = self.every_steps * (self.keep - 1)
         if self.seal_after_steps > history:
             raise ValueError(

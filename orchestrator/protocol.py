@@ -92,5 +92,8 @@ EVENT_RESTART = "restart"
 EVENT_HANG = "hang"
 EVENT_NODE_LOST = "node_lost"
 EVENT_FLUSH = "flush"  # by the supervisor's helper (orchestrator/flush.py)
+# Buddy replication of the shared-memory ring, by the supervisor (launch/replica.py).
+EVENT_REPLICATED, EVENT_REPLICATE_FAILED = "replicated", "replicate_failed"
+EVENT_BUDDY_RESTORE = "buddy_restore"
 SUPERVISOR_RANK = -1  # the journal's rank field for the supervisor's (and its helper's) events
 EVENT_SUPERVISOR_EXIT = "supervisor_exit"

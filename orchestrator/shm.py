@@ -46,7 +46,10 @@ import torch
 from orchestrator.codec import decode, dtype_of, encode
 from orchestrator.errors import PersistError
 from orchestrator.rundir import write_atomic, write_bytes
+from orchestrator.shm_index import agreeable, node_refusal, verdicts
 from orchestrator.snapshot import Snapshot, unflatten
+
+__all__ = ["ShmSlots", "agreeable", "node_refusal", "verdicts"]
 
 ALIGN = 64  # every tensor starts on a cache line (and on any dtype's alignment)
 
@@ -68,78 +71,8 @@ def _crc(buf: torch.Tensor, segments: list[list[int]] | None = None, crc: int = 
 Share = tuple[int, int] | None
 
 
-def node_refusal(
-    found: dict[int, dict[int, tuple[int, dict[str, Any]]]],
-    step: int,
-    verdict: dict[str, Any],
-    node_ranks: list[int] | None,
-) -> str | None:
-    """Why ``verdict``'s node part (the state kept once per node) is incomplete at ``step``:
-    a rank that wrote a share has no verdict for it, or one of another node file or
-    timeline, or other ranks run on the node now (``node_ranks``; None: do not ask)."""
-    node = verdict.get("node")
-    if node is None:
-        return None
-    ranks = [int(r) for r in node["ranks"]]
-    if node_ranks is not None and ranks != node_ranks:
-        return (
-            f"step {step}: its node part was written by ranks {ranks}, this node runs "
-            f"ranks {node_ranks} now"
-        )
-    for r in ranks:
-        other = found.get(r, {}).get(step)
-        if other is None:
-            return f"step {step}: rank {r}'s share of the node part has no verdict"
-        theirs = other[1]
-        if (theirs.get("node") or {}).get("file") != node["file"] or theirs.get(
-            "timeline"
-        ) != verdict.get("timeline"):
-            return f"step {step}: rank {r}'s share is of another node file or timeline"
-    return None
-
-
 def _mapped(path: str, size: int, shared: bool) -> torch.Tensor:
     return torch.from_file(path, shared=shared, size=size, dtype=torch.uint8)
-
-
-def agreeable(
-    seen: list[tuple[dict[int, str], list[str]]], newest_durable: int
-) -> tuple[list[int], list[str]]:
-    """From every rank's ({step: timeline}, refusals): the steps a restart may try, newest
-    first (sealed on every rank, all from one timeline, not older than the newest durable
-    snapshot), and why the others were refused, by rank."""
-    refused = [f"rank {r}: {why}" for r, (_, said) in enumerate(seen) for why in said]
-    order = []
-    for step in sorted(set.intersection(*(set(s) for s, _ in seen)), reverse=True):
-        if step < newest_durable:
-            break
-        timelines = sorted({s[step] for s, _ in seen})
-        if len(timelines) > 1:
-            refused.append(
-                f"step {step}: the ranks' slots come from different attempts or rollbacks "
-                f"({', '.join(timelines)})"
-            )
-            continue
-        order.append(step)
-    return order, refused
-
-
-def verdicts(root: str) -> dict[int, dict[int, tuple[int, dict[str, Any]]]]:
-    """Every rank's verdicts in ``root``: rank -> step -> (slot, verdict)."""
-    out: dict[int, dict[int, tuple[int, dict[str, Any]]]] = {}
-    for d in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        if not d.startswith("slot"):
-            continue
-        for name in os.listdir(os.path.join(root, d)):
-            if not (name.startswith("rank") and name.endswith(".json")):
-                continue
-            try:
-                with open(os.path.join(root, d, name), encoding="utf-8") as f:
-                    v = json.load(f)
-            except (OSError, ValueError):
-                continue  # withdrawn or being replaced
-            out.setdefault(int(v["rank"]), {})[int(v["step"])] = (int(d.removeprefix("slot")), v)
-    return out
 
 
 class ShmSlots:
@@ -207,12 +140,15 @@ class ShmSlots:
 
         # Each file is kept or replaced on its own: the node part's decision depends only on
         # what every rank of the node holds alike, so they all take the same file.
+        own_fits, node_fits = fits(False), fits(True)
+        if own_fits and node_fits:  # the steady state: nothing to allocate or map
+            return reuse, self._copies[slot]
         own_at, node_at = self._offsets[slot]
-        if not fits(False):
+        if not own_fits:
             own_at = self._new_file(
                 slot, [t for t, n in zip(leaves, in_node, strict=True) if not n]
             )
-        if shared and not fits(True):
+        if shared and not node_fits:
             alike_leaves = [t for t, n in zip(leaves, in_node, strict=True) if n]
             node_at = self._new_file(slot, alike_leaves, node=True)
             self._share[slot], cut = self._cut(alike_leaves, node_at)

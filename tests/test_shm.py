@@ -164,3 +164,53 @@ def test_the_newest_slot_is_flushed_when_the_job_ends_and_the_next_job_resumes(
     ]
     for a, b in zip(final_states(clean["ddp"]), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
+
+
+def test_a_replaced_node_restores_from_its_buddys_copy_bit_for_bit(tmp_path: Path) -> None:
+    """Two simulated nodes with snapshot.replicate: buddy (each its own ring folder): node
+    1's supervisor is SIGKILLed (its workers take its ring with them); a new node-1
+    supervisor fetches node 1's copy from node 0 before its attempt starts, both nodes
+    resume from shared memory (no durable snapshot is that new), and the job ends bit for
+    bit where an uninterrupted one does; nothing is left in /dev/shm."""
+    from test_nodes import finish, start_nodes
+
+    policy = {
+        **SHM,
+        "snapshot": {"every_steps": 10, "keep": 4, "shared_memory": True, "replicate": "buddy"},
+        "supervisor": {**SHM["supervisor"], "heartbeat_interval_s": 0.5},
+    }
+    steps = ("--steps", "70")
+    clean = tmp_path / "clean"
+    for r in finish(start_nodes(clean, policy, *steps)):
+        assert r.returncode == 0, r.stdout[-3000:]
+    d = tmp_path / "run"
+    procs = start_nodes(d, policy, *steps)
+    deadline = time.monotonic() + 120
+    while not any(
+        e["details"].get("to") == "n0" and e["step"] >= 20 for e in kinds(d, "replicated")
+    ):  # bounded poll: node 1's ring has a copy on node 0
+        assert time.monotonic() < deadline, "node 1's ring was never copied to node 0"
+        assert all(p.poll() is None for p in procs), "a supervisor ended early"
+        time.sleep(0.2)
+    procs[1].kill()  # SIGKILL: its workers remove its ring as they die
+    procs[1].wait(timeout=30)
+    ring1 = f"/dev/shm/orchestrator-{local_tier_key(str(d))}-n1"
+    deadline = time.monotonic() + 10
+    while os.path.exists(ring1):  # bounded poll
+        assert time.monotonic() < deadline, "node 1's ring outlived its supervisor"
+        time.sleep(0.1)
+    again = subprocess.Popen(
+        procs[1].args, cwd=REPO, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "ORCHESTRATOR_NODE": "n1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    for r in finish([procs[0], again]):
+        assert r.returncode == 0, r.stdout[-3000:]
+    (restored,) = kinds(d, "buddy_restore")
+    assert restored["details"]["from"] == "n0" and restored["details"]["bytes"] > 0
+    (resume,) = kinds(d, "resume")
+    assert resume["details"]["tier"] == "shm", resume
+    assert resume["details"]["snapshot_step"] >= 20
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+    assert not glob.glob(f"/dev/shm/orchestrator-{local_tier_key(str(d))}*"), "shm left behind"

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -508,6 +509,80 @@ def test_state_held_alike_is_kept_once_per_node_each_rank_copying_its_share(
         s.close(remove=False)
     slots[0].close(remove=True)
     assert not Path(root).exists()
+
+
+def test_a_ring_copy_goes_to_a_holder_and_back_intact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Buddy replication's wire, in one process: node A's newest complete step (two ranks
+    sharing a node part) goes to a holder's server and comes back into an empty ring, where
+    it reads back exactly; a wrong run key, a path outside the copy and an aborted copy
+    (its slot moved on while it was sent) are refused, and the holder keeps what it had."""
+    from launch import replica
+    from launch.replica import ReplicaServer, get, newest_complete, put
+    from orchestrator.shm import ShmSlots
+    from orchestrator.snapshot import SnapshotRing
+
+    ring_a = str(tmp_path / "a")
+    state = {"model": {"w": torch.randn(13, 3)}, "rng": torch.arange(4)}
+    slots = [
+        ShmSlots(ring_a, r, 2, keep=2, attempt=0, node_ranks=[0, 1], token="t") for r in (0, 1)
+    ]
+    for step in (10, 20):
+        for s in slots:
+            snap = SnapshotRing(2, alloc=s.alloc, on_drop=s.drop).capture(
+                step, state, frozenset({"model"})
+            )
+            assert snap is not None
+            snap.sealed = True
+            s.seal(snap, on_error=lambda err: pytest.fail(repr(err)), plan={})
+            s.join()
+    found = newest_complete(ring_a)
+    assert found is not None and found[0] == 20 and found[1][-1].endswith(".json")
+    holder = ReplicaServer(str(tmp_path / "b"), key="k")
+    addr = f"127.0.0.1:{holder.port}"
+    try:
+        assert put(addr, "k", "a", ring_a, *found) > 0
+        with pytest.raises(ConnectionError, match="wrong run key"):
+            put(addr, "other", "a", ring_a, *found)
+        with pytest.raises(ConnectionError, match="outside"):
+            _put_raw(holder.port, {"op": "put", "key": "k", "node": "a", "step": 30,
+                                   "files": [["../escape", 0]]})  # fmt: skip
+        # A verdict that changes while the copy is sent (its slot is being rewritten):
+        # the sender aborts, the holder keeps step 20.
+        stream = replica._stream
+
+        def moving(wfile: Any, root: str, files: list[tuple[str, int]]) -> None:
+            stream(wfile, root, files)
+            verdict = Path(root) / files[-1][0]
+            verdict.write_text(verdict.read_text().replace('"step": 20', '"step": 21'))
+
+        monkeypatch.setattr(replica, "_stream", moving)
+        with pytest.raises(ConnectionError, match="aborted"):
+            put(addr, "k", "a", ring_a, *found)
+        monkeypatch.undo()
+        back = str(tmp_path / "c")
+        assert get(addr, "k", "a", back)[0] == 20
+        for r in (0, 1):
+            c = ShmSlots(back, r, 2, keep=2, attempt=1, node_ranks=[0, 1], token="u")
+            assert c.candidates()[0] == {20: (0, "0-0")} and c.check(0) is None
+            assert torch.equal(c.load(0)["model"]["w"], state["model"]["w"])
+        assert get(addr, "k", "nobody", str(tmp_path / "d")) == (-1, 0)
+    finally:
+        holder.close()
+        for s in slots:
+            s.close(remove=False)
+
+
+def _put_raw(port: int, head: dict[str, Any]) -> None:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        f = sock.makefile("rwb")
+        f.write((json.dumps(head) + "\n").encode())
+        f.flush()
+        reply = json.loads(f.readline() or b"{}")
+    raise ConnectionError(reply.get("error"))
 
 
 def test_a_full_shared_memory_fails_with_what_to_do(tmp_path: Path) -> None:
