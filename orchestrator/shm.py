@@ -372,6 +372,12 @@ class ShmSlots:
                 refused.append(f"slot {slot}: {why}")
             else:
                 found[step] = (slot, str(v.get("timeline")))
+        if not found and every.keys() - {self.rank}:
+            refused.append(
+                f"this node's ring holds slots of ranks {sorted(every)}, not of rank "
+                f"{self.rank}: the ranks moved between nodes (torchrun's c10d rendezvous "
+                "orders nodes by address: a host with another address reorders them)"
+            )
         for slot in sorted(set(range(self.keep)) - sealed):
             d = os.path.join(self.root, f"slot{slot}")
             if os.path.isdir(d) and any(n.startswith(f"rank{self.rank}-") for n in os.listdir(d)):

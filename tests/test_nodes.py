@@ -45,7 +45,7 @@ def start_nodes(
     policies: dict[int, dict[str, Any]] | None = None,
 ) -> list[subprocess.Popen[str]]:
     """Start the nodes' supervisors (n0 and n1 of a 2-node job, one rank each, c10d
-    rendezvous); ``policies`` gives a node a policy of its own."""
+    rendezvous, addresses 127.0.0.1 and .2); ``policies`` gives a node a policy of its own."""
     port = free_port()
     procs = []
     for node in nodes:
@@ -57,7 +57,10 @@ def start_nodes(
                "--run-dir", str(run_dir), "--", sys.executable, "-m", "torch.distributed.run",
                "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", run_dir.name, str(EXAMPLE), *args,
+               "--rdzv-id", run_dir.name,
+               # Each node its own address, as on a cluster: c10d orders the nodes' ranks
+               # by address (then pid), so they keep their ranks across restarts.
+               "--local-addr", f"127.0.0.{node + 1}", str(EXAMPLE), *args,
                "--save-final", str(run_dir / "final")]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "ORCHESTRATOR_NODE": f"n{node}"}
         procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,

@@ -424,6 +424,9 @@ def test_shm_slots_take_awkward_tensors_and_refuse_another_world_size(tmp_path: 
         assert back[k].shape == v.shape and back[k].dtype == v.dtype and torch.equal(back[k], v)
     found, refused = ShmSlots(root, rank=0, world_size=1, keep=2, attempt=1).candidates()
     assert found == {} and refused == ["slot 0: step 4 was taken at world size 2, not 1"]
+    # Rank 1 restarted on this node, which holds rank 0's slots: said, not silently skipped.
+    found, refused = ShmSlots(root, rank=1, world_size=2, keep=2, attempt=1).candidates()
+    assert found == {} and "ranks moved between nodes" in refused[0]
 
 
 def test_state_held_alike_is_kept_once_per_node_each_rank_copying_its_share(
