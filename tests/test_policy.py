@@ -78,6 +78,8 @@ def test_validate_ok(tmp_path: Path) -> None:
         ("snapshot:\n  every_steps: 1\n  seal_after_steps: 2\n", "snapshot"),
         ("persist:\n  every_steps: null\n", "persist"),
         ("faults:\n  - {kind: slow_storage, seconds: 0}\n", "faults[0].seconds"),
+        ("snapshot:\n  replicate: buddy\n", "snapshot"),  # without shared_memory
+        ("snapshot:\n  replicate: mirror\n", "snapshot.replicate"),
     ],
 )
 def test_validate_rejects_with_yaml_path(tmp_path: Path, text: str, path: str) -> None:
