@@ -130,10 +130,11 @@ class Supervisor:
         finally:
             if self.replica is not None:
                 self.replica.close()
+            # The other nodes stop with us (launch/nodes.py), and flush with us: first.
+            self.peers.exited(code, why)
             if code != EXIT_OK and os.path.isdir(self.shm_dir):
                 self._flush()
             shutil.rmtree(self.shm_dir, ignore_errors=True)
-            self.peers.exited(code, why)  # the other nodes stop with us (launch/nodes.py)
             for s, h in old.items():
                 signal.signal(s, h)
 
@@ -277,16 +278,22 @@ class Supervisor:
         """Before the node's shared-memory ring goes: its newest valid slot into the durable
         tier when newer than the newest durable snapshot (orchestrator/flush.py, in a helper
         process: reading the slots needs torch, which the supervisor never imports)."""
+        # On several nodes the helpers wait for each other (bounded) to agree on the step.
+        wait_s = 60.0 if self.nnodes > 1 else 0.0
         cmd = [sys.executable, "-m", "orchestrator.flush", "--run-dir", self.run_dir,
                "--shm-dir", self.shm_dir, "--policy", self.policy_path,
-               "--attempt", str(self._attempt)]  # fmt: skip
+               "--attempt", str(self._attempt), "--node", self.node,
+               "--wait-s", str(wait_s)]  # fmt: skip
         try:
             out = subprocess.run(
-                cmd, capture_output=True, text=True, timeout=self.policy.persist.commit_timeout_s
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=self.policy.persist.commit_timeout_s + wait_s,
             )
             said = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-500:]
         except subprocess.TimeoutExpired:
-            said = f"timed out after {self.policy.persist.commit_timeout_s} s"
+            said = f"timed out after {self.policy.persist.commit_timeout_s + wait_s} s"
         self._say(f"flush of the shared-memory ring to the durable tier: {said}")
 
     # --- one attempt ----------------------------------------------------------------------

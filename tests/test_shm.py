@@ -214,3 +214,34 @@ def test_a_replaced_node_restores_from_its_buddys_copy_bit_for_bit(tmp_path: Pat
     for a, b in zip(final_states(clean), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
     assert not glob.glob(f"/dev/shm/orchestrator-{local_tier_key(str(d))}*"), "shm left behind"
+
+
+def test_a_job_on_two_nodes_flushes_one_snapshot_from_both_rings(tmp_path: Path) -> None:
+    """Two simulated nodes, no restart allowed: a crash at 57 on node 1 ends the job on
+    both. Each node's helper writes its rank's part of the newest step both rings hold
+    (50); node 0's commits it; the same commands then resume from it, bit for bit."""
+    from test_nodes import finish, start_nodes
+
+    from orchestrator.errors import EXIT_RESTARTS_EXHAUSTED
+
+    policy = {**SHM, "supervisor": {**SHM["supervisor"], "heartbeat_interval_s": 0.5}}
+    clean = tmp_path / "clean"
+    for r in finish(start_nodes(clean, policy, "--steps", "70")):
+        assert r.returncode == 0, r.stdout[-3000:]
+    d = tmp_path / "run"
+    once = {**policy, "supervisor": {**policy["supervisor"], "max_restarts": 0},
+            "faults": [{"kind": "crash", "step": 57, "rank": 1}]}  # fmt: skip
+    for r in finish(start_nodes(d, once, "--steps", "70")):
+        assert r.returncode == EXIT_RESTARTS_EXHAUSTED, r.stdout[-3000:]
+    flushes = {e["details"]["node"]: e["details"] for e in kinds(d, "flush")}
+    assert {n: (f["flushed"], f.get("step"), f.get("ranks")) for n, f in flushes.items()} == {
+        "n0": (True, 50, [0]),
+        "n1": (True, 50, [1]),
+    }
+    assert not glob.glob(f"/dev/shm/orchestrator-{local_tier_key(str(d))}*")
+    for r in finish(start_nodes(d, policy, "--steps", "70")):
+        assert r.returncode == 0, r.stdout[-3000:]
+    resumes = {(e["details"]["tier"], e["details"]["snapshot_step"]) for e in kinds(d, "resume")}
+    assert resumes == {("remote", 50)}
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
