@@ -135,7 +135,7 @@ def measure(size: str, reps: int, s3_url: str | None) -> dict[str, Any]:
         slot_bytes = sum(
             os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(root) for f in fs
         )
-        out["slot_over_state"] = slot_bytes / snap.nbytes
+        out["slot_over_state"] = slot_bytes / ring.keep / snap.nbytes  # per slot
 
         def from_shm() -> None:
             assert shm.check(snap.slot) is None
