@@ -182,21 +182,34 @@ class Peers:
         self._verdict = self._judge(now, timeout_s)
         return self._verdict
 
+    def behind(self, attempt: int) -> list[str]:
+        """The live peers whose supervisor is still in an attempt before ``attempt`` (its
+        launcher may still hold the rendezvous)."""
+        now = time.monotonic()
+        return [
+            node
+            for node, info in self.others().items()
+            if self._alive(node, info, now) and int(info.get("attempt", -1)) < attempt
+        ]
+
+    def _alive(self, node: str, info: dict[str, Any], now: float) -> bool:
+        """Running, and its file changed within ``stale_s`` (on our clock)."""
+        key = (info.get("pid"), info.get("seq"))
+        last = self._seen.get(node)
+        if last is None or last[0] != key:
+            self._seen[node] = (key, now)
+        return info.get("state") == RUNNING and now - self._seen[node][1] <= self.stale_s
+
     def _judge(self, now: float, timeout_s: float) -> str | None:
         self._last_read = others = self.others()
         alive, stale = [], []
         for node, info in others.items():
-            key = (info.get("pid"), info.get("seq"))
-            last = self._seen.get(node)
-            if last is None or last[0] != key:
-                self._seen[node] = (key, now)
-            changed_at = self._seen[node][1]
-            if info.get("state") == RUNNING and now - changed_at <= self.stale_s:
+            if self._alive(node, info, now):
                 alive.append(node)
             else:
                 stale.append(
                     f"{node} (host {info.get('host')}, pid {info.get('pid')}, "
-                    f"{info.get('state')}, unchanged for {now - changed_at:.0f} s)"
+                    f"{info.get('state')}, unchanged for {now - self._seen[node][1]:.0f} s)"
                 )
         if 1 + len(alive) >= self.nnodes:
             self._complete_at = now

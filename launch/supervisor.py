@@ -148,6 +148,8 @@ class Supervisor:
                 journal.attempt = attempt
                 self.peers.at(attempt)
                 self._attempt = attempt
+                if self.nnodes > 1:
+                    self._await_peers(attempt)
                 if self._signals:
                     return self._stop(journal, 128 + signal.SIGTERM, "stopped on request", best)
                 journal.write(
@@ -259,6 +261,23 @@ class Supervisor:
             if self.replica is not None:  # it journals: before the journal closes
                 self.replica.close()
             journal.close()
+
+    def _await_peers(self, attempt: int) -> None:
+        """Start ``attempt`` only once every live node has left its earlier attempts (bounded
+        by supervisor.node_timeout_s). torchrun's c10d rendezvous lives in one node's
+        launcher: a new launcher that meets a dying one's store joins a rendezvous that is
+        going away, and the attempt fails for nothing (a replaced node's supervisor starting
+        while the others still end the attempt its loss broke)."""
+        deadline = time.monotonic() + self.sup.node_timeout_s
+        said = False
+        while not self._signals and time.monotonic() < deadline:
+            behind = self.peers.behind(attempt)
+            if not behind:
+                return
+            if not said:
+                self._say(f"waiting for node(s) {behind} to end their attempt before {attempt}")
+                said = True
+            self._wake.wait(0.2)
 
     def _backoff(self, restart: int) -> float:
         wait = wait_exponential_jitter(

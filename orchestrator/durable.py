@@ -176,6 +176,12 @@ class DurableTier:
         self.on_sealed(snap, rollbacks)
         return self._wait(timeout_s, beat) and snap.step in self.persister.done
 
+    def settle(self) -> bool:
+        """Wait (up to persist.commit_timeout_s) until this rank's writes in flight are done;
+        True when they are (or nothing persists)."""
+        p = self.persister
+        return p is None or p.wait_idle(self.policy.commit_timeout_s)
+
     def _wait(self, timeout_s: float, beat: Callable[[], None]) -> bool:
         assert self.persister is not None
         deadline = time.monotonic() + timeout_s

@@ -40,6 +40,12 @@ class PoisonSampleFault(_Fault):
 
 class CrashFault(_StepFault):
     kind: Literal["crash"]
+    after_persist: bool = Field(
+        False,
+        description="First wait (up to persist.commit_timeout_s) until this rank's durable "
+        "writes in flight are done (on rank 0, which commits them: committed), so the crash "
+        "lands right after a known durable snapshot instead of racing its write.",
+    )
 
 
 class HangFault(_StepFault):

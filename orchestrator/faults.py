@@ -180,11 +180,17 @@ class FaultInjector:
         """True when a NaN must be written into a gradient of this micro-batch."""
         return self._take(NanGradFault, step, micro=micro)
 
-    def process_faults(self, step: int) -> None:
-        """``crash``: die the way an OOM kill or a segfault does (SIGKILL, no cleanup).
+    def process_faults(self, step: int, settle: Callable[[], object] = lambda: None) -> None:
+        """``crash``: die the way an OOM kill or a segfault does (SIGKILL, no cleanup; with
+        ``after_persist``, once ``settle()`` returned: the durable writes in flight are done).
         ``exit``: exit at once with the fault's code. ``hang``: block forever inside the
         step, as a rank stuck in a dead collective does."""
-        if self._take(CrashFault, step):
+        crash = next(
+            (f for f in self._pending if isinstance(f, CrashFault) and f.step == step), None
+        )
+        if crash is not None and self._take(CrashFault, step):
+            if crash.after_persist:
+                settle()
             os.kill(os.getpid(), signal.SIGKILL)
         for f in list(self._pending):
             if isinstance(f, ExitFault) and f.step == step and self._take(ExitFault, step):

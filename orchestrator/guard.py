@@ -344,7 +344,7 @@ class Guard:
         self.ring.fence()  # snapshot copies in flight must land before anything mutates
         if self.comm.rank == 0 and self.metrics.ratio_due(self.global_step):
             self.metrics.before_update(list(self.engine.core.parameters()))
-        self.faults.process_faults(self.global_step)
+        self.faults.process_faults(self.global_step, self.durable.settle)
         if self.shm is not None and self.faults.corrupt_shm_due(self.global_step):
             self.shm.corrupt(self.ring.newest(lambda s: s.sealed))
         grads = self.engine.judge(self.adjuster.multiplier())

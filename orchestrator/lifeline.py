@@ -41,7 +41,7 @@ def watch_supervisor() -> bool:
         select.select([fd], [], [])
         logger.error("the supervisor (pid %s) died: ending this rank", raw)
         # Its shared-memory ring would outlive everyone (nobody is left to remove it).
-        shutil.rmtree(os.environ.get(ENV_SHM_DIR) or "/nonexistent", ignore_errors=True)
+        remove_ring(os.environ.get(ENV_SHM_DIR))
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=wait, name="orchestrator-lifeline", daemon=True).start()
@@ -50,3 +50,21 @@ def watch_supervisor() -> bool:
 
 
 _watching = False
+
+
+def remove_ring(root: str | None) -> None:
+    """Remove the ring folder ``root`` while this rank's training thread may still write
+    into it. Renamed away first, so the thread's next file under ``root`` fails instead of
+    landing in a folder rmtree already walked (which then stays); a thread that recreates
+    ``root`` itself (its very first slot) is caught by looking again."""
+    if not root:
+        return
+    for _ in range(5):
+        gone = f"{root}.gone-{os.getpid()}"
+        try:
+            os.rename(root, gone)
+        except OSError:
+            gone = root  # already gone, or renamed by another rank of the node
+        shutil.rmtree(gone, ignore_errors=True)
+        if not os.path.exists(root):
+            return

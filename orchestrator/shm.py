@@ -124,6 +124,25 @@ class ShmSlots:
         self._offsets: list[tuple[list[int], list[int]]] = [([], []) for _ in range(keep)]
         self._gen = self._node_gen = 0
         self._sealing: dict[int, threading.Thread] = {}  # slot -> its verdict being written
+        self._made_root = False
+
+    def _mkdir(self, d: str) -> None:
+        """Make slot folder ``d``; ``root`` only the first time: a root that vanished later
+        was removed by the supervisor's end (orchestrator/lifeline.py), and recreating it
+        would leave a ring in shared memory that nobody removes."""
+        if not self._made_root:
+            os.makedirs(self.root, exist_ok=True)
+            self._made_root = True
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            pass
+        except FileNotFoundError as err:
+            raise PersistError(
+                f"snapshot.shared_memory: the ring folder {self.root} of rank {self.rank} was "
+                "removed while the rank ran (its supervisor ended, or something cleaned "
+                f"{os.path.dirname(self.root)}); this rank cannot keep snapshots there"
+            ) from err
 
     def _verdict(self, slot: int) -> str:
         return os.path.join(self.root, f"slot{slot}", f"rank{self.rank}.json")
@@ -222,7 +241,7 @@ class ShmSlots:
             total += _aligned(t.numel() * t.element_size())
         total = total or ALIGN
         d = os.path.join(self.root, f"slot{slot}")
-        os.makedirs(d, exist_ok=True)
+        self._mkdir(d)
         files = self._node_files if node else self._files
         old = files[slot]
         # This rank's files, or node files of this group, from an earlier process: the

@@ -295,6 +295,28 @@ def test_peers_judge_liveness_by_change_not_by_clock(tmp_path: Path) -> None:
         p.exited(0, "test over")
 
 
+def test_an_attempt_waits_for_live_nodes_still_in_an_earlier_one(tmp_path: Path) -> None:
+    """A node starts attempt N only once the live nodes left their attempts before N (their
+    launchers may still hold the rendezvous); a frozen node's file is not waited for."""
+    d = str(tmp_path)
+    n0, n1 = (Peers(d, n, nnodes=2, interval_s=0.1) for n in ("n0", "n1"))
+    n0.stale_s = 0.5
+    n1.start()
+    n0.start()
+    n1.at(0)
+    n0.at(1)
+    assert n0.behind(1) == ["n1"] and n0.behind(0) == []
+    n1.at(1)
+    assert n0.behind(1) == []
+    n1._stop.set()  # frozen in attempt 1: not waited for once stale
+    n1._thread.join()  # type: ignore[union-attr]
+    deadline = time.monotonic() + 10
+    while n0.behind(2):  # bounded poll
+        assert time.monotonic() < deadline, "a frozen peer was waited for"
+        time.sleep(0.05)
+    n0.exited(0, "test over")
+
+
 AGREE = """
 import os, torch.distributed as dist
 from orchestrator.comm import Comm

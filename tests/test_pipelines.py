@@ -69,7 +69,7 @@ def test_transient_nan_then_crash_resume_bit_for_bit(
     faulty = tmp_path / "faulty"
     faults = [
         {"kind": "inf_loss", "step": 7, "rank": 1},
-        {"kind": "crash", "step": 17, "rank": 0},
+        {"kind": "crash", "step": 17, "rank": 0, "after_persist": True},
     ]
     policy = {**EXACT, "faults": faults}
     run(faulty, data, policy, workers, ok=False, samples=samples)
@@ -112,7 +112,8 @@ def test_the_stream_position_does_not_reshard(tmp_path: Path) -> None:
     """A stream's position is each rank's own: resuming it at another world size is refused
     with a message that says so (not a silent restart of the data)."""
     d = tmp_path / "run"
-    policy = {**EXACT, "faults": [{"kind": "crash", "step": 17, "rank": 0}]}
+    crash = {"kind": "crash", "step": 17, "rank": 0, "after_persist": True}
+    policy = {**EXACT, "faults": [crash]}
     run(d, "stream", policy, ok=False)
     args = ["--data", "stream", "--steps", str(STEPS), "--samples", str(SAMPLES)]
     r = train(d, 1, *args, policy=policy, script=WORKER)

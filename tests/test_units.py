@@ -6,6 +6,7 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -382,6 +383,43 @@ def test_shm_slots_seal_verify_and_withdraw(tmp_path: Path) -> None:
     assert torch.equal(snap.buffers[0], before)  # the old mapping is intact
     shm.close(remove=True)
     assert not (tmp_path / "shm").exists()
+
+
+def test_a_ring_removed_under_a_writing_rank_stays_removed(tmp_path: Path) -> None:
+    """A rank whose supervisor died removes the node's ring while its training thread still
+    captures into it (orchestrator/lifeline.py): the folder must be gone afterwards, and the
+    thread's next slot fails with a PersistError instead of making the folder again."""
+    import threading
+
+    from orchestrator.errors import PersistError
+    from orchestrator.lifeline import remove_ring
+    from orchestrator.shm import ShmSlots
+
+    root = tmp_path / "ring"
+    shm = ShmSlots(str(root), rank=0, world_size=1, keep=4, attempt=0)
+    leaves = [torch.zeros(1024)]
+    shm.alloc(0, leaves, [])
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def capture() -> None:
+        k = 0
+        while not stop.is_set():
+            k += 1
+            try:
+                shm.alloc(k % 4, leaves, [])
+            except (PersistError, FileNotFoundError) as err:
+                errors.append(err)
+                return
+
+    t = threading.Thread(target=capture, daemon=True)
+    t.start()
+    time.sleep(0.05)  # let it write a few slots
+    remove_ring(str(root))
+    t.join(timeout=10)
+    stop.set()
+    assert not t.is_alive() and errors, "the capture thread went on writing"
+    assert not root.exists() and not list(tmp_path.iterdir())
 
 
 def test_a_restart_takes_the_newest_step_every_rank_sealed_on_one_timeline() -> None:
