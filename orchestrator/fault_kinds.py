@@ -17,6 +17,12 @@ class _Fault(BaseModel):
 class _StepFault(_Fault):
     step: int = Field(ge=0, description="Step at which the fault fires (0-based).")
     rank: int = Field(0, ge=0, description="Global rank on which it fires.")
+    attempt: int | None = Field(
+        None,
+        ge=0,
+        description="Only in this attempt of the supervisor (a fault in a resumed attempt: "
+        "a crash loop); null: the first time the step is reached.",
+    )
 
 
 class _MicroFault(_StepFault):

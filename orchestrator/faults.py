@@ -61,7 +61,8 @@ def fault_key(f: Fault) -> str:
     if isinstance(f, NanModuleFault):
         return f"nan_module:{f.module}@{f.step}"
     micro = getattr(f, "micro", 0)
-    return f"{f.kind}@{f.step}" + (f".{micro}" if micro else "") + f":r{f.rank}"
+    attempt = "" if f.attempt is None else f"#a{f.attempt}"
+    return f"{f.kind}@{f.step}" + (f".{micro}" if micro else "") + f":r{f.rank}{attempt}"
 
 
 class InjectedStorageError(OSError):
@@ -82,7 +83,10 @@ class FaultInjector:
         self._pending: list[Fault] = [
             f
             for f in faults
-            if isinstance(f, once) and f.rank == rank and fault_key(f) not in fired
+            if isinstance(f, once)
+            and f.rank == rank
+            and f.attempt in (None, journal.attempt)
+            and fault_key(f) not in fired
         ]
         self._pending += [
             f

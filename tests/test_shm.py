@@ -144,34 +144,43 @@ def test_a_sigkilled_supervisor_leaves_nothing_in_shared_memory(tmp_path: Path) 
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-@pytest.mark.parametrize("engine", ["ddp", "zero2"])
+@pytest.mark.parametrize(("engine", "end"), [("ddp", "crash_loop"), ("zero2", "restarts")])
 def test_the_newest_slot_is_flushed_when_the_job_ends_and_the_next_job_resumes(
-    tmp_path: Path, clean: CleanRuns, engine: str
+    tmp_path: Path, clean: CleanRuns, engine: str, end: str
 ) -> None:
-    """No restart allowed (max_restarts: 0): a crash at 57 ends the job with 75. Before the
-    ring goes, the supervisor flushes its newest slot (step 50) to the durable tier (for
-    ZeRO-2 with DeepSpeed's own files, as its writers would); the next job (the same
-    command, a new supervisor) resumes from it and ends bit for bit."""
-    from orchestrator.errors import EXIT_RESTARTS_EXHAUSTED
+    """The job ends for good: a crash loop (the resumed attempt 1 crashes again at 51, short
+    of 57, and crash_loop_attempts is 1: exit 74), or no restart allowed (max_restarts: 0:
+    the crash at 57 ends it with 75). Before the ring goes, the supervisor flushes its
+    newest slot (step 50) to the durable tier (for ZeRO-2 with DeepSpeed's own files, as its
+    writers would); the next job (the same command, a new supervisor) resumes from it and
+    ends bit for bit."""
+    from orchestrator.errors import EXIT_CRASH_LOOP, EXIT_RESTARTS_EXHAUSTED
 
     if engine == "zero2":
         pytest.importorskip("deepspeed", reason="pip install -e '.[dev]' installs it")
     d = tmp_path / "run"
-    once = {**SHM, "supervisor": {**SHM["supervisor"], "max_restarts": 0},
-            "faults": [{"kind": "crash", "step": 57, "rank": 1}]}  # fmt: skip
+    crashes = [{"kind": "crash", "step": 57, "rank": 1}]
+    if end == "crash_loop":
+        stop, code = {"crash_loop_attempts": 1}, EXIT_CRASH_LOOP
+        crashes.append({"kind": "crash", "step": 51, "rank": 0, "attempt": 1})
+    else:
+        stop, code = {"max_restarts": 0}, EXIT_RESTARTS_EXHAUSTED
+    once = {**SHM, "supervisor": {**SHM["supervisor"], **stop}, "faults": crashes}
     script, args = ENGINES[engine]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *args,
            "--steps", "70", "--save-final", str(d / "final")]  # fmt: skip
     r = run(launch_cmd(d, once, *cmd), timeout=300)
-    assert r.returncode == EXIT_RESTARTS_EXHAUSTED, r.stdout[-3000:]
+    assert r.returncode == code, r.stdout[-3000:]
     (flushed,) = kinds(d, "flush")
     assert flushed["details"]["flushed"] is True and flushed["details"]["step"] == 50
     assert not glob.glob(f"/dev/shm/orchestrator-{local_tier_key(str(d))}*")
     launched(d, SHM, engine)  # the fault fired already (journaled): a clean second job
     resumes = kinds(d, "resume")
+    looped = [("shm", 50)] if end == "crash_loop" else []  # attempt 1, from the ring
     assert [(e["details"]["tier"], e["details"]["snapshot_step"]) for e in resumes] == [
-        ("remote", 50)
+        *looped,
+        ("remote", 50),
     ]
     for a, b in zip(final_states(clean[engine]), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
