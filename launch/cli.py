@@ -37,18 +37,26 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _snapshots(args: argparse.Namespace) -> int:
-    from orchestrator.store import DurableStore, default_url
+    from orchestrator.errors import PersistError
+    from orchestrator.store import DurableStore, default_url, signing_key
 
     target = args.target
     url = target
+    key_file = None
     policy_file = os.path.join(target, POLICY_NAME)
     if "://" not in target and os.path.isfile(policy_file):  # a run directory
         try:
-            url = load_policy(policy_file).persist.url or default_url(os.path.abspath(target))
+            persist = load_policy(policy_file).persist
         except PolicyError as err:
             print(err, file=sys.stderr)
             return EXIT_INVALID
-    store = DurableStore(url)
+        url = persist.url or default_url(os.path.abspath(target))
+        key_file = persist.signing_key_file
+    try:
+        store = DurableStore(url, key=signing_key(key_file))
+    except PersistError as err:
+        print(err, file=sys.stderr)
+        return EXIT_INVALID
     cands = store.candidates()
     if not cands:
         print(f"no snapshots under {url}")

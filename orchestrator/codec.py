@@ -8,11 +8,11 @@ from typing import Any
 import torch
 
 from orchestrator.errors import PersistError
-from orchestrator.snapshot import _Leaf
+from orchestrator.snapshot import Leaf
 
 
 def encode(obj: Any, path: str, tensors: dict[str, torch.Tensor], bufs: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _Leaf):
+    if isinstance(obj, Leaf):
         tensors[path] = bufs[obj.index]
         return {"__tensor__": path}
     if isinstance(obj, dict):

@@ -25,10 +25,10 @@ from orchestrator.faults import FaultInjector
 from orchestrator.journal import Journal
 from orchestrator.policy import Policy
 from orchestrator.protocol import local_tier_key
-from orchestrator.retry import storage_retry
+from orchestrator.retry import is_transient, storage_retry
 from orchestrator.shm import ShmSlots, agreeable
 from orchestrator.snapshot import Snapshot
-from orchestrator.store import DurableStore, default_url
+from orchestrator.store import DurableStore, default_url, signing_key
 from orchestrator.writer import LocalTier, Persister
 
 #: A state tree to restore, the manifest it came with, and the store URL it came from.
@@ -54,7 +54,11 @@ class DurableTier:
         self.engine = engine
         self.faults = faults
         self.event = event  # journals a collective decision once (rank 0)
-        self.store = DurableStore(self.policy.url or default_url(run_dir))
+        self.store = DurableStore(
+            self.policy.url or default_url(run_dir),
+            key=signing_key(self.policy.signing_key_file),
+            hook=faults.persist_phase,
+        )
         self.local = (
             self._local_tier(run_dir) if self.policy.enabled and self.policy.local_dir else None
         )
@@ -212,7 +216,8 @@ class DurableTier:
         run_key = local_tier_key(run_dir)
         assert self.policy.local_dir is not None
         url = f"{self.policy.local_dir.rstrip('/')}/{run_key}"
-        return LocalTier(DurableStore(url), leader=min(node_ranks), node_ranks=node_ranks)
+        store = DurableStore(url, key=self.store.key)
+        return LocalTier(store, leader=min(node_ranks), node_ranks=node_ranks)
 
     def invalidate_after(self, step: int) -> None:
         """Durable snapshots newer than ``step`` belong to a timeline that was abandoned
@@ -233,10 +238,20 @@ class DurableTier:
             PersistError: committed snapshots exist but none is valid (starting from
                 scratch silently could throw away days of training).
         """
-        listing = None
+        listing, unreachable = None, None
         if self.comm.rank == 0:
-            listing = [(c.step, c.manifest) for c in self.store.candidates() if c.committed]
-        listing = self.comm.broadcast_object(listing)
+            try:
+                listing = [
+                    (c.step, c.manifest, c.problem)
+                    for c in storage_retry(self.policy)(self.store.candidates)
+                    if c.committed
+                ]
+            except Exception as err:
+                unreachable = f"cannot list {self.store.url}: {err!r}"
+        listing, unreachable = self.comm.broadcast_object((listing, unreachable))
+        if unreachable is not None:
+            raise PersistError(self._unreachable(unreachable))
+        assert listing is not None
         newest_remote = listing[0][0] if listing else -1
         in_shm = self._find_shm(newest_remote)
         if in_shm is not None:
@@ -245,9 +260,12 @@ class DurableTier:
         if local is not None:
             return local
         rejected: list[tuple[int, list[str]]] = []
-        for step, manifest in listing:
-            tree, error = self._load(self.store, step, manifest, shared_rank=0)
-            errors = [e for e in self.comm.all_gather_object(error) if e]
+        for step, manifest, problem in listing:
+            tree, error, transient = self._load(self.store, step, manifest, problem, 0)
+            said = self.comm.all_gather_object((error, transient))
+            errors = [e for e, _ in said if e]
+            if any(t for _, t in said):  # not invalid: unreadable now (a restart retries)
+                raise PersistError(self._unreachable(errors[0]))
             if errors:
                 rejected.append((step, errors))
                 self.event("snapshot_invalid", snapshot_step=step, reasons=errors)
@@ -263,6 +281,14 @@ class DurableTier:
                 f"`orchestrator snapshots {self.store.url}`"
             )
         return None
+
+    def _unreachable(self, why: str) -> str:
+        return (
+            f"the durable store is unreachable ({why}; retried persist.retries="
+            f"{self.policy.retries} times): not resuming from an older snapshot nor from "
+            "scratch, which could lose training. Under `orchestrator launch` the next attempt "
+            "tries again; otherwise run the same command once the storage is back"
+        )
 
     def _find_shm(self, newest_remote: int) -> Resumable | None:
         """The node's shared-memory ring: the newest step every rank has sealed there whose
@@ -301,7 +327,7 @@ class DurableTier:
                 break
         tree = None
         if found is not None and found[0] >= newest_remote:
-            tree, _ = self._load(self.local.store, *found, shared_rank=self.local.leader)
+            tree, _, _ = self._load(self.local.store, *found, None, self.local.leader)
         steps = self.comm.all_gather_object(found[0] if tree is not None and found else None)
         if steps[0] is None or any(s != steps[0] for s in steps):
             return None
@@ -309,15 +335,21 @@ class DurableTier:
         return tree, found[1], self.local.store.url
 
     def _load(
-        self, store: DurableStore, step: int, manifest: dict[str, Any] | None, shared_rank: int
-    ) -> tuple[dict[str, Any] | None, str | None]:
+        self,
+        store: DurableStore,
+        step: int,
+        manifest: dict[str, Any] | None,
+        problem: str | None,
+        shared_rank: int,
+    ) -> tuple[dict[str, Any] | None, str | None, bool]:
         """This rank's state from one snapshot (the shared state from ``shared_rank``'s
-        part), or why it cannot be used. Never raises, so every rank reaches the agreement
-        that follows."""
+        part), or why it cannot be used and whether that may pass (storage unreachable, not
+        the snapshot invalid). Never raises, so every rank reaches the agreement that
+        follows."""
         rank = self.comm.rank
         try:
             if manifest is None:
-                raise PersistError(f"snapshot {step}: manifest.json is unreadable")
+                raise PersistError(problem or f"snapshot {step}: manifest.json is unreadable")
             saved = manifest.get("ranks") or list(range(int(manifest["world_size"])))
             own = rank if rank in saved else shared_rank  # a new rank takes the shared RNG
             sharded = not self.engine.state_replicated
@@ -334,7 +366,7 @@ class DurableTier:
                     parts = [store.load_part(step, r) for r in saved]
                     return self.engine.reshard(parts, saved.index(own))
 
-                return storage_retry(self.policy)(reshard), None
+                return storage_retry(self.policy)(reshard), None, False
 
             # Sharded state: each rank reads its own part only.
             first = own if sharded else shared_rank
@@ -347,11 +379,11 @@ class DurableTier:
                     tree.update(store.load_part(step, own))
                 return tree
 
-            return storage_retry(self.policy)(read), None
+            return storage_retry(self.policy)(read), None, False
         except Exception as err:  # anything wrong with this snapshot: try an older one
-            return None, f"rank {rank}: {err}"
+            return None, f"rank {rank}: {err}", is_transient(err)
         except CheckpointException as err:  # DCP's, a BaseException
-            return None, f"rank {rank}: {err}"
+            return None, f"rank {rank}: {err}", is_transient(err)
 
     def tier_of(self, url: str) -> str:
         if url.startswith("shm://"):

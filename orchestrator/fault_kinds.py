@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Fault(BaseModel):
@@ -114,6 +114,50 @@ class TruncateSnapshotFault(_Fault):
     )
 
 
+class KillPersistFault(_Fault):
+    """Kill the rank (SIGKILL) in one phase of a durable write: what a node lost mid-write
+    leaves behind must never be trusted, and nothing committed before may be lost."""
+
+    kind: Literal["kill_persist"]
+    phase: Literal["part", "parts", "manifest", "prune"] = Field(
+        description="part: during this rank's part (its tensors written, its index not yet); "
+        "parts: rank 0, every part written, before manifest.json; manifest: rank 0, after "
+        "manifest.json, before COMMITTED; prune: rank 0, during retention's delete of an older "
+        "snapshot (its marker gone, its files not yet)."
+    )
+    step: int = Field(ge=0, description="In the first durable write at or after this step.")
+    rank: int = Field(0, ge=0, description="The rank killed (phases other than part: 0).")
+
+    @model_validator(mode="after")
+    def _committer(self) -> KillPersistFault:
+        if self.phase != "part" and self.rank != 0:
+            raise ValueError(f"phase {self.phase!r} happens on rank 0 only (it commits)")
+        return self
+
+
+class CorruptManifestFault(_Fault):
+    """Damage manifest.json of a committed snapshot (its COMMITTED marker stays): validation
+    on resume must refuse it and fall back to an older snapshot."""
+
+    kind: Literal["corrupt_manifest"]
+    step: int = Field(
+        ge=0, description="The first snapshot committed at or after this step is damaged."
+    )
+    how: Literal["garbage", "truncate", "shape"] = Field(
+        "garbage",
+        description="garbage: random bytes; truncate: its first half; shape: valid JSON of "
+        "another shape (files as a list).",
+    )
+
+
+class MissHealthFault(_Fault):
+    """This rank never enters the first health check it should run (it blocks, as a rank
+    hung elsewhere does): the others must time out, name it, and not hang."""
+
+    kind: Literal["miss_health"]
+    rank: int = Field(ge=0, description="The rank that stays away.")
+
+
 Fault = Annotated[
     NanGradFault
     | InfLossFault
@@ -128,7 +172,10 @@ Fault = Annotated[
     | CorruptAllreduceFault
     | SlowRankFault
     | FlakyComputeFault
-    | NanModuleFault,
+    | NanModuleFault
+    | KillPersistFault
+    | CorruptManifestFault
+    | MissHealthFault,
     Field(discriminator="kind"),
 ]
 # The tags pydantic puts in error locations of the union (not part of the YAML path).

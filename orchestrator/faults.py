@@ -12,6 +12,7 @@ The injector is shared by the training thread and the persist thread, hence the 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 import threading
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
 from orchestrator.fault_kinds import (
     CorruptAllreduceFault,
+    CorruptManifestFault,
     CorruptShmFault,
     CrashFault,
     ExitFault,
@@ -37,6 +39,8 @@ from orchestrator.fault_kinds import (
     FlakyComputeFault,
     HangFault,
     InfLossFault,
+    KillPersistFault,
+    MissHealthFault,
     NanGradFault,
     NanModuleFault,
     PoisonSampleFault,
@@ -56,6 +60,12 @@ def fault_key(f: Fault) -> str:
         return f"slow_storage:{f.op}+{f.seconds}s"
     if isinstance(f, TruncateSnapshotFault):
         return f"truncate_snapshot@{f.step}"
+    if isinstance(f, KillPersistFault):
+        return f"kill_persist:{f.phase}@{f.step}:r{f.rank}"
+    if isinstance(f, CorruptManifestFault):
+        return f"corrupt_manifest:{f.how}@{f.step}"
+    if isinstance(f, MissHealthFault):
+        return f"miss_health:r{f.rank}"
     if isinstance(f, (CorruptAllreduceFault, FlakyComputeFault, SlowRankFault)):
         return f"{f.kind}:r{f.rank}"
     if isinstance(f, NanModuleFault):
@@ -91,7 +101,16 @@ class FaultInjector:
         self._pending += [
             f
             for f in faults
-            if isinstance(f, TruncateSnapshotFault) and rank == 0 and fault_key(f) not in fired
+            if isinstance(f, (TruncateSnapshotFault, CorruptManifestFault))
+            and rank == 0
+            and fault_key(f) not in fired
+        ]
+        self._pending += [
+            f
+            for f in faults
+            if isinstance(f, (KillPersistFault, MissHealthFault))
+            and f.rank == rank
+            and fault_key(f) not in fired
         ]
         self._nan_modules = [
             f
@@ -223,6 +242,55 @@ class FaultInjector:
 
     def truncate_due(self, step: int) -> bool:
         return self._take(TruncateSnapshotFault, step, at_or_after=True)
+
+    def _take_first(self, match: Callable[[Fault], bool], step: int) -> Fault | None:
+        """Remove and journal the first pending fault ``match`` accepts (once per run)."""
+        with self._lock:
+            for f in self._pending:
+                if match(f):
+                    self._pending.remove(f)
+                    self.journal.write(
+                        "fault", step, {"key": fault_key(f), "fault": f.model_dump()}
+                    )
+                    return f
+        return None
+
+    def persist_phase(self, phase: str, step: int) -> None:
+        """``kill_persist``: SIGKILL this rank in ``phase`` of the durable write of ``step``
+        (the store's hook; called from the writer thread)."""
+        if self._take_first(
+            lambda f: isinstance(f, KillPersistFault) and f.phase == phase and step >= f.step,
+            step,
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def corrupt_manifest_due(self, step: int) -> str | None:
+        """How to damage the manifest of the snapshot of ``step`` just committed, if due."""
+        f = self._take_first(lambda f: isinstance(f, CorruptManifestFault) and step >= f.step, step)
+        return f.how if isinstance(f, CorruptManifestFault) else None
+
+    @staticmethod
+    def corrupt_manifest(store: DurableStore, step: int, how: str) -> None:
+        """``corrupt_manifest``: damage manifest.json of a committed snapshot in place."""
+        path = store.path(step_dir(step), "manifest.json")
+        with store.fs.open(path, "rb") as f:
+            data = f.read()
+        if how == "garbage":
+            data = os.urandom(max(len(data), 64))
+        elif how == "truncate":
+            data = data[: len(data) // 2]
+        else:  # valid JSON, another shape
+            doc = json.loads(data)
+            doc["files"] = sorted(doc["files"])
+            data = json.dumps(doc).encode()
+        with store.fs.open(path, "wb") as f:
+            f.write(data)
+
+    def miss_health(self) -> None:
+        """``miss_health``: never enter the health check (block, as a rank hung elsewhere)."""
+        if self._take_first(lambda f: isinstance(f, MissHealthFault), -1):
+            while True:
+                time.sleep(3600)
 
     @staticmethod
     def truncate(store: DurableStore, step: int) -> str:

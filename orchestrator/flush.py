@@ -33,7 +33,7 @@ from orchestrator.protocol import EVENT_FLUSH, SUPERVISOR_RANK, node_path
 from orchestrator.rundir import write_atomic
 from orchestrator.shm import ShmSlots, agreeable, node_refusal, verdicts
 from orchestrator.snapshot import Snapshot, flatten
-from orchestrator.store import DurableStore, default_url
+from orchestrator.store import DurableStore, default_url, signing_key
 
 FLUSH_DIR = "flush"
 Found = dict[int, dict[int, tuple[int, dict[str, Any]]]]  # rank -> step -> (slot, verdict)
@@ -46,6 +46,7 @@ def flush(
     run_dir: str | None = None,
     node: str = "",
     wait_s: float = 60.0,
+    signing: bytes | None = None,
 ) -> dict[str, Any]:
     """Write the newest flushable step of this node's ranks to ``url``; returns what
     happened (the event). ``run_dir`` and ``node``: where the nodes of a job on several
@@ -62,7 +63,7 @@ def flush(
     world_size = next(iter(world))
     keep = max(slot for steps in found.values() for slot, _ in steps.values()) + 1
     slots = {r: ShmSlots(shm_dir, r, world_size, keep, attempt=-1) for r in found}
-    store = DurableStore(url)
+    store = DurableStore(url, key=signing)
     committed = store.committed_steps()
     newest_durable = committed[0] if committed else -1
     mine, refused = _intact(found, slots, newest_durable)
@@ -178,8 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     url = policy.persist.url or default_url(args.run_dir)
     journal = Journal(args.run_dir, SUPERVISOR_RANK, args.attempt)
     try:
+        key = signing_key(policy.persist.signing_key_file)
         said = flush(args.shm_dir, url, policy.persist.commit_timeout_s, args.run_dir,
-                     args.node, args.wait_s)  # fmt: skip
+                     args.node, args.wait_s, key)  # fmt: skip
     except Exception as err:  # the supervisor reports it and stops anyway
         said = {"flushed": False, "reason": f"failed: {err!r}"}
     journal.write(EVENT_FLUSH, int(said.get("step", -1)), {**said, "node": args.node})

@@ -335,6 +335,13 @@ class PersistPolicy(_Section):
         description="Node-local tier (e.g. /dev/shm/orchestrator): also keep the "
         "latest snapshot there, so a restart on the same nodes skips remote storage.",
     )
+    signing_key_file: str | None = Field(
+        None,
+        description="A file holding the key that signs each manifest (HMAC-SHA256; "
+        "$ORCHESTRATOR_SIGNING_KEY wins): a snapshot whose files or manifest changed is "
+        "then refused as tampered, and unsigned ones are refused. Without a key a "
+        "checksum can only say corrupt.",
+    )
 
     @model_validator(mode="after")
     def _has_trigger(self) -> PersistPolicy:

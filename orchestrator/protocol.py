@@ -23,6 +23,8 @@ ENV_SUPERVISOR_PID = "ORCHESTRATOR_SUPERVISOR_PID"
 ENV_NODE = "ORCHESTRATOR_NODE"
 # The node's shared-memory folder of the run (snapshot.shared_memory), owned by the supervisor.
 ENV_SHM_DIR = "ORCHESTRATOR_SHM_DIR"
+# The key that signs durable manifests (HMAC-SHA256); persist.signing_key_file otherwise.
+ENV_SIGNING_KEY = "ORCHESTRATOR_SIGNING_KEY"
 
 # --- worker exit codes (README "Exit codes"); the supervisor classifies on them -------------
 EXIT_OK = 0

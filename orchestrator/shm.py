@@ -45,10 +45,11 @@ from typing import Any
 import torch
 
 from orchestrator.codec import decode, dtype_of, encode
+from orchestrator.engines.native import load_native
 from orchestrator.errors import PersistError
 from orchestrator.rundir import write_atomic, write_bytes
 from orchestrator.shm_index import agreeable, node_refusal, verdicts
-from orchestrator.snapshot import Snapshot, unflatten
+from orchestrator.snapshot import Leaf, Snapshot, unflatten
 
 __all__ = ["ShmSlots", "agreeable", "node_refusal", "verdicts"]
 
@@ -476,8 +477,8 @@ class ShmSlots:
                 data = f.read()
             if zlib.crc32(data) != int(v["pickle"]["crc32"]):
                 raise PersistError(f"slot {slot}: its pickled values do not match their checksum")
-            # Checksummed above, written by this run on this node (see engines/native.py).
-            skeleton = torch.load(io.BytesIO(data), weights_only=False)
+            # weights_only, DeepSpeed's few classes allowed: engines/native.py.
+            skeleton = load_native(io.BytesIO(data), f"slot {slot}'s pickled values", (Leaf,))
             tree: dict[str, Any] = unflatten(skeleton, lambda leaf: leaves[leaf.index])
             return tree
         tree = decode(v["skeleton"], {p: leaves[i] for p, i in v["paths"].items()})

@@ -21,16 +21,16 @@ import torch
 
 
 @dataclass(frozen=True)
-class _Leaf:
+class Leaf:
     index: int
     device: torch.device
 
 
 def flatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
-    """Replace every tensor in ``obj`` with a ``_Leaf`` placeholder, collecting the tensors."""
+    """Replace every tensor in ``obj`` with a ``Leaf`` placeholder, collecting the tensors."""
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
-        return _Leaf(len(leaves) - 1, obj.device)
+        return Leaf(len(leaves) - 1, obj.device)
     if isinstance(obj, dict):
         return {k: flatten(v, leaves) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -40,8 +40,8 @@ def flatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
     return copy.deepcopy(obj)
 
 
-def unflatten(skel: Any, get: Callable[[_Leaf], torch.Tensor]) -> Any:
-    if isinstance(skel, _Leaf):
+def unflatten(skel: Any, get: Callable[[Leaf], torch.Tensor]) -> Any:
+    if isinstance(skel, Leaf):
         return get(skel)
     if isinstance(skel, dict):
         return {k: unflatten(v, get) for k, v in skel.items()}
@@ -80,7 +80,7 @@ class Snapshot:
         """
         self.wait()
 
-        def get(leaf: _Leaf) -> torch.Tensor:
+        def get(leaf: Leaf) -> torch.Tensor:
             buf = self.buffers[leaf.index]
             if leaf.device.type != "cpu":
                 return buf.to(leaf.device)

@@ -20,21 +20,39 @@ What each rank writes: on replicated engines (single process, DDP) the model, op
 scheduler, scaler and counters are identical on every rank, so rank 0 writes them once and
 every rank writes only its own RNG state. Loading is then possible at any world size.
 
-Loading trusts nothing: the manifest and marker must exist, every file's size and sha256
-must match before any byte goes to a deserializer (DCP reads ``.metadata`` with pickle, so
-the checksum check comes first), tensors are read by DCP with ``weights_only`` loads, plain
-values are JSON, and every floating tensor must be finite.
+Loading trusts nothing: the manifest and marker must exist, the manifest must have the
+expected shape, every path in it must stay inside the snapshot's directory, every file's
+size and sha256 must match before any byte goes to a deserializer, DCP's ``.metadata`` is
+unpickled with an allow-list of DCP's own classes, tensors are read by DCP with
+``weights_only`` loads, an engine's own files with ``weights_only`` and a few allowed
+classes (:mod:`orchestrator.engines.native`), plain values are JSON, and every floating
+tensor must be finite.
+
+A checksum tells corruption, not tampering: whoever can rewrite a file can rewrite the
+manifest too. With a signing key (``persist.signing_key_file`` or
+``$ORCHESTRATOR_SIGNING_KEY``) the manifest carries an HMAC-SHA256 of itself; a snapshot
+whose manifest does not verify, or whose files do not match the signed manifest, is refused
+as tampered. Without a key the messages say "corrupt", and no more.
+
+``hook(phase, step)``, when given, is called at each phase of a write (``part``: this
+rank's tensors written, its index not yet; ``parts``: every part there, no manifest yet;
+``manifest``: manifest written, no marker yet; ``prune``: a retired snapshot's marker gone,
+its files not yet): the fault drills kill a rank there.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import pickle
+import posixpath
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 import torch
@@ -42,7 +60,7 @@ import torch.distributed.checkpoint as dcp
 
 from orchestrator.codec import decode, dtype_of, encode, tensors_of
 from orchestrator.errors import PersistError
-from orchestrator.protocol import SNAPSHOTS_DIR
+from orchestrator.protocol import ENV_SIGNING_KEY, SNAPSHOTS_DIR
 from orchestrator.snapshot import Snapshot
 
 # Each rank writes and reads its own part with DCP's no_dist mode on purpose; DCP warns
@@ -60,20 +78,159 @@ def step_dir(step: int) -> str:
     return f"step_{step:09d}"
 
 
+def signing_key(key_file: str | None) -> bytes | None:
+    """The manifest signing key: ``$ORCHESTRATOR_SIGNING_KEY``, else the contents of
+    ``key_file`` (persist.signing_key_file), else None.
+
+    Raises:
+        PersistError: ``key_file`` cannot be read, or is empty.
+    """
+    env = os.environ.get(ENV_SIGNING_KEY)
+    if env:
+        return env.encode()
+    if key_file is None:
+        return None
+    try:
+        with open(key_file, "rb") as f:
+            key = f.read().strip()
+    except OSError as err:
+        raise PersistError(
+            f"persist.signing_key_file: cannot read {key_file} ({err.strerror}); fix the "
+            f"path or its permissions, or set ${ENV_SIGNING_KEY}"
+        ) from err
+    if not key:
+        raise PersistError(f"persist.signing_key_file: {key_file} is empty")
+    return key
+
+
+def safe_rel(rel: Any, where: str) -> str:
+    """``rel`` if it is a relative path that stays inside the snapshot's directory.
+
+    Raises:
+        PersistError: absolute, escaping (``..``), not normalized, or not a string.
+    """
+    if (
+        not isinstance(rel, str)
+        or not rel
+        or "\\" in rel
+        or "\0" in rel
+        or rel.startswith("/")
+        or posixpath.normpath(rel) != rel
+        or rel == ".."
+        or rel.startswith("../")
+    ):
+        raise PersistError(f"{where}: the path {rel!r} leaves the snapshot's directory")
+    return rel
+
+
+def manifest_problem(doc: Any) -> str | None:
+    """Why ``doc`` is not a manifest of ours (None if it is): a manifest that parses as
+    JSON but has another shape must be refused, not crash the reader."""
+    if not isinstance(doc, dict):
+        return "not a JSON object"
+    for key in ("step", "world_size"):
+        if type(doc.get(key)) is not int or doc[key] < 0:
+            return f"{key!r} is missing or not a non-negative integer"
+    files, ranks = doc.get("files"), doc.get("ranks")
+    if not isinstance(files, dict):
+        return "'files' is missing or not an object"
+    for rel, meta in files.items():
+        try:
+            safe_rel(rel, "manifest.json")
+        except PersistError as err:
+            return str(err)
+        if not (
+            isinstance(meta, dict)
+            and isinstance(meta.get("sha256"), str)
+            and (meta.get("size") is None or type(meta.get("size")) is int)
+            and ("rank" not in meta or type(meta["rank"]) is int)
+        ):
+            return f"the entry of {rel!r} is malformed"
+    if ranks is not None and not (
+        isinstance(ranks, list)
+        and all(type(r) is int and 0 <= r < doc["world_size"] for r in ranks)
+    ):
+        return "'ranks' is not a list of ranks below world_size"
+    return None
+
+
+def _canonical(manifest: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in manifest.items() if k != "signature"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign(manifest: dict[str, Any], key: bytes) -> str:
+    return hmac.new(key, _canonical(manifest), hashlib.sha256).hexdigest()
+
+
+# What a DCP ``.metadata`` pickle may build: DCP's own metadata classes, torch.Size, dtypes,
+# layouts and paths. Anything else (a function to call, a class to build) is refused.
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED_METADATA = {
+    (_DCP_METADATA, "Metadata"),
+    (_DCP_METADATA, "ChunkStorageMetadata"),
+    (_DCP_METADATA, "MetadataIndex"),
+    (_DCP_METADATA, "StorageMeta"),
+    (_DCP_METADATA, "TensorProperties"),
+    (_DCP_METADATA, "TensorStorageMetadata"),
+    (_DCP_METADATA, "BytesStorageMetadata"),
+    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (module, name) in _ALLOWED_METADATA or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"DCP metadata refers to {module}.{name}, which a checkpoint's metadata never "
+                "holds: refused without loading it (it could run code)"
+            )
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(f: IO[bytes]) -> Any:
+    """A DCP ``.metadata`` file, unpickled with the allow-list above."""
+    return _MetadataUnpickler(f).load()
+
+
 # --- the store ----------------------------------------------------------------------------
 @dataclass
 class Candidate:
     step: int
     committed: bool
     manifest: dict[str, Any] | None
+    problem: str | None = None  # why the manifest cannot be used (None: readable, well formed)
 
 
 class DurableStore:
-    """The layout above, over one fsspec URL. Stateless; safe to use from several threads."""
+    """The layout above, over one fsspec URL. Stateless (``key`` and ``hook`` are fixed at
+    construction); safe to use from several threads."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(
+        self,
+        url: str,
+        key: bytes | None = None,
+        hook: Callable[[str, int], None] | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.url)
+        self.key = key
+        self._hook = hook
+
+    def _phase(self, phase: str, step: int) -> None:
+        if self._hook is not None:
+            self._hook(phase, step)
 
     def path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -111,6 +268,7 @@ class DurableStore:
         if tensors:
             writer = dcp_writer(self.fs, part)
             dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
+        self._phase("part", snap.step)
         files: dict[str, dict[str, Any]] = {}
         for info in self.fs.ls(part, detail=True):
             name = info["name"].rsplit("/", 1)[-1]
@@ -181,6 +339,7 @@ class DurableStore:
                 "size": None,
                 "sha256": self._sha(self.path(d, f"rank_{r}.json")),
             }
+        self._phase("parts", step)
         manifest = {
             "step": step,
             "world_size": world_size,
@@ -190,10 +349,26 @@ class DurableStore:
             "files": files,
             **extra,
         }
+        if self.key is not None:
+            manifest["signature"] = {"alg": "hmac-sha256", "mac": sign(manifest, self.key)}
         self._write_json(self.path(d, MANIFEST), manifest)
+        self._phase("manifest", step)
         with self.fs.open(self.path(d, MARKER), "w") as f:
             f.write(str(step))
         return manifest
+
+    def remove_part(self, step: int, rank: int) -> None:
+        """Best effort: this rank's files of an uncommitted snapshot whose write failed (a
+        full disk must not fill up further with parts nobody will commit)."""
+        d = step_dir(step)
+        if self.fs.exists(self.path(d, MARKER)):
+            return  # committed after all: never touch it
+        for path in (self.path(d, f"rank_{rank}.json"), self.path(d, f"rank_{rank}")):
+            try:
+                if self.fs.exists(path):
+                    self.fs.rm(path, recursive=True)
+            except OSError:
+                pass
 
     def _write_json(self, path: str, doc: dict[str, Any]) -> None:
         with self.fs.open(path, "w", encoding="utf-8") as f:
@@ -233,14 +408,34 @@ class DurableStore:
             except ValueError:
                 continue
             committed = self.fs.exists(self.path(name, MARKER))
-            manifest = None
+            manifest, problem = None, None
             if committed:
                 try:
-                    manifest = self._read_json(self.path(name, MANIFEST))
-                except (OSError, ValueError):
-                    manifest = None
-            out.append(Candidate(step, committed, manifest))
+                    doc = self._read_json(self.path(name, MANIFEST))
+                    problem = manifest_problem(doc) or self._signature_problem(doc)
+                    manifest = None if problem else doc
+                except FileNotFoundError:
+                    problem = "manifest.json is missing"
+                except (UnicodeDecodeError, ValueError) as err:
+                    problem = f"manifest.json is not valid JSON (corrupt or truncated: {err})"
+                if problem is not None:
+                    problem = f"snapshot {step}: {problem}"
+            out.append(Candidate(step, committed, manifest, problem))
         return sorted(out, key=lambda c: c.step, reverse=True)
+
+    def _signature_problem(self, manifest: dict[str, Any]) -> str | None:
+        if self.key is None:
+            return None  # nothing to check it against: corruption is all a checksum tells
+        sig = manifest.get("signature")
+        if not isinstance(sig, dict) or "mac" not in sig:
+            return (
+                "manifest.json is not signed, but a signing key is set: refused (tampered, "
+                "or written before the key was set; to read such snapshots unset "
+                f"${ENV_SIGNING_KEY} and persist.signing_key_file)"
+            )
+        if not hmac.compare_digest(str(sig["mac"]), sign(manifest, self.key)):
+            return "manifest.json does not match its signature: tampered (or another key)"
+        return None
 
     def committed_steps(self) -> list[int]:
         return [c.step for c in self.candidates() if c.committed]
@@ -249,6 +444,9 @@ class DurableStore:
     def validate_files(self, step: int, manifest: dict[str, Any], ranks: list[int]) -> None:
         """Sizes and checksums of the files of ``ranks``' parts; raises PersistError."""
         d = step_dir(step)
+        problem = manifest_problem(manifest) or self._signature_problem(manifest)
+        if problem is not None:
+            raise PersistError(f"snapshot {step}: {problem}")
         for rel, meta in manifest["files"].items():
             owner = (
                 f"rank_{meta['rank']}"
@@ -268,7 +466,10 @@ class DurableStore:
                 )
             if self._sha(path) != meta["sha256"]:
                 raise PersistError(
-                    f"snapshot {step}: {rel} does not match its sha256 (corrupt or tampered)"
+                    f"snapshot {step}: {rel} does not match its sha256 in the signed manifest: "
+                    "tampered"
+                    if self.key is not None
+                    else f"snapshot {step}: {rel} does not match its sha256: corrupt"
                 )
 
     def load_part(self, step: int, rank: int) -> dict[str, Any]:
@@ -290,8 +491,9 @@ class DurableStore:
                 # An engine's own format (its checksum was verified before this).
                 from orchestrator.engines.native import load_native
 
-                with self.fs.open(self.path(d, enc["__native__"]), "rb") as f:
-                    tree[key] = load_native(f)
+                rel = safe_rel(enc["__native__"], f"snapshot {step}, rank_{rank}.json")
+                with self.fs.open(self.path(d, rel), "rb") as f:
+                    tree[key] = load_native(f, f"snapshot {step}: {rel}")
                 tensors_of(tree[key], key, template)
             else:
                 tree[key] = decode(enc, template)
@@ -302,18 +504,28 @@ class DurableStore:
                 )
         return tree
 
-    def uncommit_after(self, step: int) -> list[int]:
-        """Withdraw every committed snapshot newer than ``step`` (a rolled-back timeline).
+    def committed_after(self, step: int) -> list[int]:
+        """The committed snapshots newer than ``step`` (what :meth:`uncommit` withdraws)."""
+        return [c.step for c in self.candidates() if c.step > step and c.committed]
+
+    def uncommit(self, steps: list[int]) -> None:
+        """Withdraw committed snapshots (a rolled-back timeline's).
 
         Only the marker and manifest go: other ranks may already have written their parts
         of the *new* timeline's snapshot of such a step into the same directory (their
         nonce tells them apart); leftovers are pruned once a newer step is committed."""
-        gone = [c.step for c in self.candidates() if c.step > step and c.committed]
-        for s in gone:
-            self.fs.rm(self.path(step_dir(s), MARKER))
+        for s in steps:
+            marker = self.path(step_dir(s), MARKER)
+            if self.fs.exists(marker):
+                self.fs.rm(marker)
             manifest = self.path(step_dir(s), MANIFEST)
             if self.fs.exists(manifest):
                 self.fs.rm(manifest)
+
+    def uncommit_after(self, step: int) -> list[int]:
+        """Withdraw every committed snapshot newer than ``step``; returns their steps."""
+        gone = self.committed_after(step)
+        self.uncommit(gone)
         return gone
 
     def _delete(self, step: int) -> None:
@@ -321,27 +533,34 @@ class DurableStore:
         marker = self.path(step_dir(step), MARKER)
         if self.fs.exists(marker):
             self.fs.rm(marker)
-        self.fs.rm(self.path(step_dir(step)), recursive=True)
+        self._phase("prune", step)
+        if self.fs.exists(self.path(step_dir(step))):
+            self.fs.rm(self.path(step_dir(step)), recursive=True)
 
     def check(self, cand: Candidate) -> str | None:
         """Full validation of one snapshot, every rank's part: None if valid, else why not."""
         if not cand.committed:
             return "not committed (being written, or its writer died mid-write)"
         if cand.manifest is None:
-            return "manifest.json missing or unreadable"
+            return cand.problem or "manifest.json missing or unreadable"
         ranks = cand.manifest.get("ranks") or list(range(int(cand.manifest["world_size"])))
         try:
             self.validate_files(cand.step, cand.manifest, ranks)
             for r in ranks:
                 self.load_part(cand.step, r)
-        except (PersistError, OSError, ValueError, KeyError, RuntimeError) as err:
+        except Exception as err:  # whatever a damaged snapshot makes a reader raise
+            return str(err)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
             return str(err)
         return None
 
     # retention ----------------------------------------------------------------------------
-    def prune(self, keep: int, keep_every_steps: int | None) -> list[int]:
-        """Delete committed snapshots beyond the newest ``keep`` (except multiples of
-        ``keep_every_steps``) and uncommitted leftovers older than the newest committed."""
+    def retired(self, keep: int, keep_every_steps: int | None) -> list[int]:
+        """What retention deletes: committed snapshots beyond the newest ``keep`` (except
+        multiples of ``keep_every_steps``) and uncommitted leftovers older than the newest
+        committed."""
         cands = self.candidates()
         committed = [c.step for c in cands if c.committed]
         if not committed:
@@ -349,13 +568,20 @@ class DurableStore:
         keep_set = set(committed[: max(keep, 1)])  # never the newest committed
         if keep_every_steps:
             keep_set |= {s for s in committed if s % keep_every_steps == 0}
-        doomed = [
+        return [
             c.step
             for c in cands
             if c.step not in keep_set and (c.committed or c.step < committed[0])
         ]
-        for s in doomed:
+
+    def delete(self, steps: list[int]) -> None:
+        for s in steps:
             self._delete(s)
+
+    def prune(self, keep: int, keep_every_steps: int | None) -> list[int]:
+        """Delete what :meth:`retired` names; returns it."""
+        doomed = self.retired(keep, keep_every_steps)
+        self.delete(doomed)
         return doomed
 
 
@@ -367,12 +593,44 @@ def dcp_writer(fs: Any, path: str) -> dcp.StorageWriter:
     return FsspecWriter(fs.unstrip_protocol(path), sync_files=False)
 
 
+class _SafeMetadata:
+    """A DCP reader whose ``.metadata`` is unpickled with the allow-list (DCP's own
+    ``read_metadata`` is a plain ``pickle.load``)."""
+
+    fs: Any
+    path: Any
+    load_id: Any
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        get_path = getattr(self, "_get_metadata_path", None)
+        path = (
+            get_path(kwargs.get("rank"))
+            if get_path
+            else self.fs.concat_path(self.path, ".metadata")
+        )
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = read_dcp_metadata(f)
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeFileSystemReader(_SafeMetadata, dcp.FileSystemReader):
+    pass
+
+
 def dcp_reader(fs: Any, path: str) -> dcp.StorageReader:
     if _is_local(fs):
-        return dcp.FileSystemReader(path)
+        return _SafeFileSystemReader(path)
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    return FsspecReader(fs.unstrip_protocol(path))
+    class _SafeFsspecReader(_SafeMetadata, FsspecReader):
+        pass
+
+    return _SafeFsspecReader(fs.unstrip_protocol(path))
 
 
 def _is_local(fs: Any) -> bool:

@@ -18,7 +18,7 @@ from orchestrator.faults import FaultInjector
 from orchestrator.journal import Journal
 from orchestrator.logs import RankLogger
 from orchestrator.policy_sections import PersistPolicy
-from orchestrator.retry import storage_retry
+from orchestrator.retry import is_transient, storage_retry
 from orchestrator.snapshot import Snapshot
 from orchestrator.store import DurableStore
 
@@ -119,11 +119,12 @@ class Persister:
         if self.local is not None and self.rank == self.local.leader:
             stores.append(self.local.store)
         for store in stores:
-            gone = self._retrying("invalidate", step)(store.uncommit_after, step)
-            if gone:
+            gone = self._retrying("invalidate", step)(store.committed_after, step)
+            if gone:  # journaled first: the audit must know they were withdrawn on purpose
                 self.journal.write(
                     "persist_invalidate", step, {"uncommitted_steps": gone, "url": store.url}
                 )
+                self._retrying("invalidate", step)(store.uncommit, gone)
 
     def wait_idle(self, timeout_s: float) -> bool:
         return self._idle.wait(timeout_s)
@@ -149,8 +150,12 @@ class Persister:
                 self.failed = self.failed or isinstance(task, _Write)
                 self.log.error("durable snapshot %d: %r", step, err)
                 self.journal.write(
-                    "persist_failed", step, {"error": repr(err), "url": self.store.url}
+                    "persist_failed",
+                    step,
+                    {"error": repr(err), "url": self.store.url, "transient": is_transient(err)},
                 )
+                if isinstance(task, _Write):  # a full disk must not fill up with dead parts
+                    self.store.remove_part(step, self.rank)
             finally:
                 if self._q.empty():
                     self._idle.set()
@@ -235,6 +240,9 @@ class Persister:
         self.done.add(snap.step)
         if self.faults.truncate_due(snap.step):
             self.faults.truncate(self.store, snap.step)
+        how = self.faults.corrupt_manifest_due(snap.step)
+        if how is not None:
+            self.faults.corrupt_manifest(self.store, snap.step, how)
         self.journal.write(
             "persist",
             snap.step,
@@ -246,8 +254,9 @@ class Persister:
                 "commit_s": round(time.perf_counter() - t0, 4),
             },
         )
-        pruned = self._retrying("prune", snap.step)(
-            self.store.prune, self.policy.keep, self.policy.keep_every_steps
+        doomed = self._retrying("prune", snap.step)(
+            self.store.retired, self.policy.keep, self.policy.keep_every_steps
         )
-        if pruned:
-            self.journal.write("persist_prune", snap.step, {"deleted_steps": pruned})
+        if doomed:  # journaled first: a kill mid-delete leaves the intent on record
+            self.journal.write("persist_prune", snap.step, {"deleted_steps": doomed})
+            self._retrying("prune", snap.step)(self.store.delete, doomed)

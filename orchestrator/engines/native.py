@@ -2,21 +2,66 @@
 engine's own loader (``engine.load_checkpoint``, ``zero_to_fp32``) reads durable snapshots.
 
 The durable store writes and reads them through these two functions only; their checksums
-are in the manifest and verified before :func:`load_native` runs.
+are in the manifest and verified before :func:`load_native` runs. Reading is never code
+execution: ``torch.load(weights_only=True)``, with the few DeepSpeed classes its files hold
+(loss scalers, the ZeRO stage enum, fragment addresses) allowed by name. A file that needs
+anything else is refused before any of it is built.
 """
 
 from __future__ import annotations
 
+import importlib
+import pickle
 from typing import IO, Any
 
 import torch
+
+from orchestrator.errors import PersistError
+
+# What DeepSpeed 0.19's checkpoint files pickle besides tensors and plain values (found with
+# torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 1/2/3, fp16 and bf16 files).
+# Plain data holders: building them runs no code of the file's choosing.
+ALLOWED_GLOBALS = (
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
+
+def _allowed() -> list[Any]:
+    """The allowed classes that can be imported here (DeepSpeed is optional)."""
+    out = []
+    for name in ALLOWED_GLOBALS:
+        module, _, attr = name.rpartition(".")
+        try:
+            out.append(getattr(importlib.import_module(module), attr))
+        except (ImportError, AttributeError):
+            continue  # not installed: a file that needs it is refused below
+    return out
 
 
 def save_native(obj: Any, f: IO[bytes]) -> None:
     torch.save(obj, f)
 
 
-def load_native(f: IO[bytes]) -> Any:
-    # DeepSpeed's files pickle its config object and version, so they are not loadable
-    # with weights_only=True as is; the checksum was verified before this.
-    return torch.load(f, map_location="cpu", weights_only=False)
+def load_native(f: IO[bytes], name: str = "", extra: tuple[Any, ...] = ()) -> Any:
+    """Read an engine file with ``weights_only=True`` and the allowed globals only (and
+    ``extra`` classes of ours).
+
+    Raises:
+        PersistError: the file holds anything else (a pickle that would build arbitrary
+            objects or call functions is refused without running it), or is not a
+            checkpoint file at all.
+    """
+    try:
+        with torch.serialization.safe_globals([*_allowed(), *extra]):
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise PersistError(
+            f"{name or 'an engine checkpoint file'} holds objects outside the allowed "
+            f"classes, refused without loading it (it could run code): "
+            f"{str(err).splitlines()[0][:300]}"
+        ) from err
+    except (RuntimeError, EOFError, ValueError) as err:
+        raise PersistError(f"{name or 'an engine checkpoint file'} is unreadable: {err}") from err
