@@ -52,14 +52,19 @@ class HealthReport:
     bandwidth_gbps: float | None = None
     baseline_gbps: float | None = None
     seconds: float = 0.0
+    absent: dict[int, str] = field(default_factory=dict)  # never entered the check -> host
 
     @property
     def healthy(self) -> bool:
         return not self.bad
 
+    def hosts(self) -> dict[int, str]:
+        """Rank -> host, of every rank known (those that came, and the absent)."""
+        return {**self.absent, **{r["rank"]: r["host"] for r in self.ranks}}
+
     def bad_hosts(self) -> dict[int, str]:
         """Failing rank -> its host."""
-        hosts = {r["rank"]: r["host"] for r in self.ranks}
+        hosts = self.hosts()
         return {r: hosts.get(r, "?") for r in sorted(self.bad)}
 
     def to_dict(self) -> dict[str, Any]:
@@ -67,7 +72,8 @@ class HealthReport:
             "reason": self.reason,
             "healthy": self.healthy,
             "bad_ranks": {str(r): c for r, c in sorted(self.bad.items())},
-            "hosts": {str(r["rank"]): r["host"] for r in self.ranks},
+            "hosts": {str(r): h for r, h in self.hosts().items()},
+            "absent": {str(r): h for r, h in self.absent.items()},
             "bandwidth_gbps": self.bandwidth_gbps,
             "baseline_gbps": self.baseline_gbps,
             "seconds": round(self.seconds, 3),
@@ -92,6 +98,14 @@ class HealthReport:
                 )
             )
         return "\n".join(rows)
+
+
+def _default_store() -> Any:
+    """The default process group's store (torchrun's TCPStore), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # not initialized by torchrun & co.: no roll call
+        return None
 
 
 def _ok(check: dict[str, Any] | None) -> str:
@@ -141,10 +155,21 @@ class HealthChecker:
                 self.device = torch.device("cuda", torch.cuda.current_device())
         elif torch.cuda.is_available():
             self.device = torch.device("cuda", torch.cuda.current_device())
+        # The roll call (the process group's store, not a collective): a rank that never
+        # enters a check is named by the ones that did, with its host.
+        self._store = _default_store() if self.group is not None else None
+        self._prefix = "orchestrator/health/" + ",".join(
+            str(r) for r in (dist.get_process_group_ranks(comm.group) if self.group else [])
+        )
+        self._round = 0
+        self._call(f"host/{comm.rank}", self.host)
 
     # --- the run ----------------------------------------------------------------------------
     def run(self, reason: str) -> HealthReport:
         t0 = time.perf_counter()
+        self.faults.miss_health()  # a drill: this rank never comes
+        self._round += 1
+        self._call(f"{self._round}/{self.comm.rank}", "here")
         checks: dict[str, dict[str, Any]] = {
             "compute": self._compute(),
             "memory": self._memory(),
@@ -155,9 +180,35 @@ class HealthChecker:
         mine = {"rank": self.comm.rank, "host": self.host, "checks": checks}
         ranks = self._gather(mine)
         report = HealthReport(reason=reason, ranks=ranks)
+        if len(ranks) < self.comm.world_size:  # a collective failed: who never came?
+            report.absent = self._absent()
         self._judge(report)
         report.seconds = time.perf_counter() - t0
         return report
+
+    def _call(self, key: str, value: str) -> None:
+        if self._store is not None:
+            try:
+                self._store.set(f"{self._prefix}/{key}", value)
+            except Exception:  # the roll call only names culprits; the checks decide
+                self._store = None
+
+    def _absent(self) -> dict[int, str]:
+        """The ranks that never entered this round (rank -> host), from the roll call."""
+        if self._store is None:
+            return {}
+        out = {}
+        try:
+            for r in range(self.comm.world_size):
+                if not self._store.check([f"{self._prefix}/{self._round}/{r}"]):
+                    host_key = f"{self._prefix}/host/{r}"
+                    host = (
+                        self._store.get(host_key).decode() if self._store.check([host_key]) else "?"
+                    )
+                    out[r] = host
+        except Exception:
+            return {}
+        return out
 
     def _guarded(self, check: Any) -> dict[str, Any]:
         """A check whose collective fails or times out fails, with the error as evidence."""
@@ -191,6 +242,8 @@ class HealthChecker:
             if what not in bad.setdefault(rank, []):
                 bad[rank].append(what)
 
+        for rank in report.absent:
+            flag(rank, "absent: never entered the health check (hung or dead)")
         for r in report.ranks:
             c = r["checks"]
             for name in ("compute", "memory"):
@@ -200,9 +253,10 @@ class HealthChecker:
             if coll is not None:
                 for sender in coll.get("bad_senders", []):  # named by whoever received
                     flag(sender, "collectives")
-                if "error" in coll:
+                timed_out = "error" in coll or "gather" in c
+                if timed_out and not report.absent:  # else the absent rank explains it
                     flag(r["rank"], "collectives (timed out or failed)")
-            if "gather" in c:
+            elif "gather" in c and not report.absent:
                 flag(r["rank"], "collectives (timed out or failed)")
         sums = [r["checks"]["compute"]["checksum"] for r in report.ranks]
         if len(sums) >= 3:  # with 2 ranks there is no majority; the fp64 reference decides

@@ -374,6 +374,7 @@ class Lifecycle:
                 # A finished run can be picked up (or resumed at another world size) from
                 # its last step.
                 self.keeper.persist_now(step, self.recovery.rollbacks, "closing")
+        self.recovery.flush_ledger()  # entries a storage failure held back, if any
         self.durable.close()
         if self.keeper.shm is not None:  # without a supervisor, nobody else removes it
             self.keeper.shm.close(remove=ENV_SHM_DIR not in os.environ)

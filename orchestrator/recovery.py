@@ -73,6 +73,8 @@ class Recovery:
         self.rollbacks = 0
         self.open: Incident | None = None  # opened, not yet recovered
         self._evidence: dict[str, Any] = {}  # the open incident's, journaled with its cause
+        # Ledger entries a storage failure held back: (ids, step, reason), oldest first.
+        self._unwritten: list[tuple[list[int], int, str]] = []
 
     @property
     def previous_step(self) -> int | None:
@@ -247,16 +249,30 @@ class Recovery:
 
     def _ledger_add(self, ids: list[int], step: int, reason: str) -> bool:
         """Rank 0 appends to the ledger, retrying; a storage failure is journaled, never
-        fatal: the quarantine holds in memory for this run either way."""
+        fatal: the quarantine holds in memory for this run either way, and the entries not
+        written are tried again with the next ones and at close (:meth:`flush_ledger`)."""
         if self.comm.rank != 0:
             return True
-        try:
-            storage_retry(self.policy.persist)(self.ledger.add, ids, step, reason)
-            return True
-        except (OSError, TimeoutError) as err:
-            self.journal.write("ledger_failed", step, {"samples": ids, "error": repr(err)})
-            self.log.error("quarantine ledger %s not written: %r", self.ledger.url, err)
-            return False
+        self._unwritten.append((ids, step, reason))
+        return self.flush_ledger(later=False)
+
+    def flush_ledger(self, later: bool = True) -> bool:
+        """Write the ledger entries a storage failure held back (rank 0); True if none is
+        left. Entries written ``later`` than their quarantine event are journaled
+        (``ledger_written``), so the journal says what the ledger holds."""
+        while self._unwritten:
+            ids, step, reason = self._unwritten[0]
+            late = later or len(self._unwritten) > 1  # not the entry just added
+            try:
+                storage_retry(self.policy.persist)(self.ledger.add, ids, step, reason)
+            except Exception as err:  # an unreachable store raises botocore's own classes
+                self.journal.write("ledger_failed", step, {"samples": ids, "error": repr(err)})
+                self.log.error("quarantine ledger %s not written: %r", self.ledger.url, err)
+                return False
+            self._unwritten.pop(0)
+            if late:
+                self.journal.write("ledger_written", step, {"samples": ids})
+        return True
 
     def check_health(
         self, reason: str, step: int, before_stop: Callable[[], None] | None = None
@@ -270,13 +286,17 @@ class Recovery:
         """
         assert self.health is not None
         report = self.health.run(reason)
-        self.decide("health", step, **report.to_dict())
+        # A collective that failed leaves each rank its own view: each journals it (rank 0
+        # may be the one that never came).
+        partial = len(report.ranks) < self.comm.world_size
+        decide = Decisions(self.journal, writer=True) if partial else self.decide
+        decide("health", step, **report.to_dict())
         if report.healthy:
             return
         if before_stop is not None:
             before_stop()
         named = report.bad_hosts()
-        self.decide(
+        decide(
             "unhealthy",
             step,
             reason=reason,

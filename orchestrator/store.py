@@ -412,7 +412,12 @@ class DurableStore:
             if committed:
                 try:
                     doc = self._read_json(self.path(name, MANIFEST))
-                    problem = manifest_problem(doc) or self._signature_problem(doc)
+                    shape = manifest_problem(doc)
+                    problem = (
+                        f"manifest.json is malformed ({shape})"
+                        if shape
+                        else self._signature_problem(doc)
+                    )
                     manifest = None if problem else doc
                 except FileNotFoundError:
                     problem = "manifest.json is missing"
@@ -444,7 +449,9 @@ class DurableStore:
     def validate_files(self, step: int, manifest: dict[str, Any], ranks: list[int]) -> None:
         """Sizes and checksums of the files of ``ranks``' parts; raises PersistError."""
         d = step_dir(step)
-        problem = manifest_problem(manifest) or self._signature_problem(manifest)
+        shape = manifest_problem(manifest)
+        problem = f"manifest.json is malformed ({shape})" if shape else None
+        problem = problem or self._signature_problem(manifest)
         if problem is not None:
             raise PersistError(f"snapshot {step}: {problem}")
         for rel, meta in manifest["files"].items():
@@ -461,8 +468,12 @@ class DurableStore:
             size = self.fs.size(path)
             if meta["size"] is not None and size != meta["size"]:
                 raise PersistError(
-                    f"snapshot {step}: {rel} has {size} bytes, the manifest says "
-                    f"{meta['size']} (truncated?)"
+                    f"snapshot {step}: {rel} has {size} bytes, the "
+                    + (
+                        f"signed manifest says {meta['size']}: tampered"
+                        if self.key is not None
+                        else f"manifest says {meta['size']}: corrupt (truncated?)"
+                    )
                 )
             if self._sha(path) != meta["sha256"]:
                 raise PersistError(
@@ -528,12 +539,12 @@ class DurableStore:
         self.uncommit(gone)
         return gone
 
-    def _delete(self, step: int) -> None:
+    def _delete(self, step: int, during: int) -> None:
         # The marker goes first: a half-deleted snapshot must never look committed.
         marker = self.path(step_dir(step), MARKER)
         if self.fs.exists(marker):
             self.fs.rm(marker)
-        self._phase("prune", step)
+        self._phase("prune", during)
         if self.fs.exists(self.path(step_dir(step))):
             self.fs.rm(self.path(step_dir(step)), recursive=True)
 
@@ -574,9 +585,10 @@ class DurableStore:
             if c.step not in keep_set and (c.committed or c.step < committed[0])
         ]
 
-    def delete(self, steps: list[int]) -> None:
+    def delete(self, steps: list[int], during: int = -1) -> None:
+        """Delete snapshots (retention, after the write of step ``during``)."""
         for s in steps:
-            self._delete(s)
+            self._delete(s, during)
 
     def prune(self, keep: int, keep_every_steps: int | None) -> list[int]:
         """Delete what :meth:`retired` names; returns it."""

@@ -259,4 +259,4 @@ class Persister:
         )
         if doomed:  # journaled first: a kill mid-delete leaves the intent on record
             self.journal.write("persist_prune", snap.step, {"deleted_steps": doomed})
-            self._retrying("prune", snap.step)(self.store.delete, doomed)
+            self._retrying("prune", snap.step)(self.store.delete, doomed, snap.step)

@@ -113,3 +113,31 @@ def test_slow_rank_below_the_baseline_is_named(tmp_path: Path) -> None:
     assert list(report["bad_ranks"]) == ["1"] and "bandwidth" in report["bad_ranks"]["1"][0]
     assert report["bandwidth_gbps"] < 0.5 * report["baseline_gbps"]
     assert report["baseline_gbps"] == first["bandwidth_gbps"]
+
+
+def test_a_rank_that_never_enters_the_check_is_named_and_nothing_hangs(tmp_path: Path) -> None:
+    """miss_health on rank 1: it never enters the pre-flight check (it blocks, as a rank hung
+    elsewhere does). Rank 0's collectives time out after health.timeout_s; the roll call
+    names rank 1 as absent, with its host; the job ends with 72 instead of hanging."""
+    timeout_s = 5.0
+    policy = {
+        "health": {"preflight": True, "timeout_s": timeout_s},
+        "supervisor": {"max_unhealthy": 0, "backoff_s": 0.2},
+        "faults": [{"kind": "miss_health", "rank": 1}],
+    }
+    d = tmp_path / "run"
+    cmd = [sys.executable, "-m", "launch.cli", "launch", "--policy", policy_file(tmp_path, policy),
+           "--run-dir", str(d), "--", *torchrun(str(EXAMPLE), "--steps", "20")]  # fmt: skip
+    t0 = time.monotonic()
+    r = run(cmd, timeout=200)
+    assert r.returncode == EXIT_UNHEALTHY, r.stdout[-3000:]
+    assert time.monotonic() - t0 < 90
+    (event,) = kinds(d, "unhealthy")
+    assert event["rank"] == 0 and event["details"]["ranks"] == [1]
+    assert event["details"]["failed"]["1"][0].startswith("absent")
+    assert event["details"]["hosts"] != ["?"]
+    (health_event,) = kinds(d, "health")
+    assert health_event["details"]["absent"] == {"1": event["details"]["hosts"][0]}
+    assert health_event["details"]["seconds"] < timeout_s + 10
+    (fault,) = kinds(d, "fault")
+    assert fault["rank"] == 1 and fault["details"]["key"] == "miss_health:r1"
