@@ -107,6 +107,10 @@ class DurableTier:
             self._last_time = time.monotonic()
         self.busy = vals[PERSIST_BUSY] > 0
         if not self.busy and self.held is not None:
+            if vals[PERSIST_FAILED] > 0 and self.persister is not None:
+                # Its write failed somewhere: it will never commit, and its parts on the
+                # ranks whose writes succeeded would only fill the storage.
+                self.persister.discard(self.held.step)
             self.held.held = False  # every rank's writer is done with it: same step on all
             self.held = None
         if vals[PERSIST_FAILED] > 0 and self.policy.required:
@@ -250,7 +254,7 @@ class DurableTier:
                 unreachable = f"cannot list {self.store.url}: {err!r}"
         listing, unreachable = self.comm.broadcast_object((listing, unreachable))
         if unreachable is not None:
-            raise PersistError(self._unreachable(unreachable))
+            raise self._unreachable(unreachable)
         assert listing is not None
         newest_remote = listing[0][0] if listing else -1
         in_shm = self._find_shm(newest_remote)
@@ -265,7 +269,7 @@ class DurableTier:
             said = self.comm.all_gather_object((error, transient))
             errors = [e for e, _ in said if e]
             if any(t for _, t in said):  # not invalid: unreadable now (a restart retries)
-                raise PersistError(self._unreachable(errors[0]))
+                raise self._unreachable(errors[0])
             if errors:
                 rejected.append((step, errors))
                 self.event("snapshot_invalid", snapshot_step=step, reasons=errors)
@@ -282,12 +286,15 @@ class DurableTier:
             )
         return None
 
-    def _unreachable(self, why: str) -> str:
-        return (
-            f"the durable store is unreachable ({why}; retried persist.retries="
-            f"{self.policy.retries} times): not resuming from an older snapshot nor from "
-            "scratch, which could lose training. Under `orchestrator launch` the next attempt "
-            "tries again; otherwise run the same command once the storage is back"
+    def _unreachable(self, why: str) -> PersistError:
+        """Journal (``storage_unreachable``) and return the error that stops the start."""
+        self.event("storage_unreachable", error=why, url=self.store.url)
+        return PersistError(
+            f"the durable store cannot be read ({why}; transient errors retried up to "
+            f"persist.retries={self.policy.retries} times): not resuming from an older "
+            "snapshot nor from scratch, which could lose training. Under `orchestrator "
+            "launch` the next attempt tries again; otherwise run the same command once the "
+            "storage is back (or fix its permissions)"
         )
 
     def _find_shm(self, newest_remote: int) -> Resumable | None:

@@ -79,7 +79,11 @@ class StorageErrorFault(_Fault):
 
 class SlowStorageFault(_Fault):
     kind: Literal["slow_storage"]
-    op: Literal["write", "read"] = Field("write", description="Which operations are slow.")
+    op: Literal["write", "read", "commit"] = Field(
+        "write",
+        description="Which operations are slow (commit: rank 0 between the last part and "
+        "the manifest, a write half done).",
+    )
     seconds: float = Field(gt=0, description="Added latency per operation.")
     rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
 

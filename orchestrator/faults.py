@@ -211,10 +211,11 @@ class FaultInjector:
         crash = next(
             (f for f in self._pending if isinstance(f, CrashFault) and f.step == step), None
         )
-        if crash is not None and self._take(CrashFault, step):
+        if crash is not None:
             if crash.after_persist:
-                settle()
-            os.kill(os.getpid(), signal.SIGKILL)
+                settle()  # before the fault is journaled: a watcher sees it after the writes
+            if self._take(CrashFault, step):
+                os.kill(os.getpid(), signal.SIGKILL)
         for f in list(self._pending):
             if isinstance(f, ExitFault) and f.step == step and self._take(ExitFault, step):
                 os._exit(f.code)
@@ -258,6 +259,10 @@ class FaultInjector:
     def persist_phase(self, phase: str, step: int) -> None:
         """``kill_persist``: SIGKILL this rank in ``phase`` of the durable write of ``step``
         (the store's hook; called from the writer thread)."""
+        if phase == "parts":
+            for slow in self._slow:
+                if slow.op == "commit":
+                    time.sleep(slow.seconds)
         if self._take_first(
             lambda f: isinstance(f, KillPersistFault) and f.phase == phase and step >= f.step,
             step,

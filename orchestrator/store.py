@@ -48,6 +48,7 @@ import json
 import os
 import pickle
 import posixpath
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -361,14 +362,28 @@ class DurableStore:
         """Best effort: this rank's files of an uncommitted snapshot whose write failed (a
         full disk must not fill up further with parts nobody will commit)."""
         d = step_dir(step)
-        if self.fs.exists(self.path(d, MARKER)):
-            return  # committed after all: never touch it
-        for path in (self.path(d, f"rank_{rank}.json"), self.path(d, f"rank_{rank}")):
-            try:
+        try:
+            if self.fs.exists(self.path(d, MARKER)):
+                return  # committed after all: never touch it
+            for path in (self.path(d, f"rank_{rank}.json"), self.path(d, f"rank_{rank}")):
                 if self.fs.exists(path):
                     self.fs.rm(path, recursive=True)
-            except OSError:
-                pass
+            if _is_local(self.fs) and not os.listdir(self.path(d)):
+                os.rmdir(self.path(d))  # the last rank out (another may just be writing: fine)
+        except Exception:  # the store may be the very thing failing; retention cleans up later
+            pass
+
+    def free_bytes(self) -> int | None:
+        """Free space where a local store writes (None for remote stores)."""
+        if not _is_local(self.fs):
+            return None
+        path = self.root
+        while path and not os.path.exists(path):
+            path = os.path.dirname(path)
+        try:
+            return shutil.disk_usage(path or "/").free
+        except OSError:
+            return None
 
     def _write_json(self, path: str, doc: dict[str, Any]) -> None:
         with self.fs.open(path, "w", encoding="utf-8") as f:

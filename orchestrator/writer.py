@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tenacity import RetryCallState, Retrying
+from torch.distributed.checkpoint.api import CheckpointException
 
 from orchestrator.faults import FaultInjector
 from orchestrator.journal import Journal
@@ -50,6 +51,11 @@ class _Invalidate:
     after_step: int
 
 
+@dataclass
+class _Discard:
+    step: int  # a write that failed on some rank: this rank's part of it is dead weight
+
+
 class Persister:
     """One daemon thread per rank that writes sealed snapshots, one at a time, in order with
     invalidations of snapshots from an abandoned timeline.
@@ -81,7 +87,7 @@ class Persister:
         self.faults = faults
         self.failed = False  # a write ran out of retries (read by the training thread)
         self.done: set[int] = set()  # steps whose write (rank 0: commit) succeeded
-        self._q: queue.Queue[_Write | _Invalidate | None] = queue.Queue()
+        self._q: queue.Queue[_Write | _Invalidate | _Discard | None] = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="orchestrator-persist", daemon=True)
@@ -114,6 +120,12 @@ class Persister:
             self._idle.clear()
             self._q.put(_Invalidate(step))
 
+    def discard(self, step: int) -> None:
+        """Remove this rank's part of the uncommitted snapshot of ``step``, whose write
+        failed on some rank (after the writes in flight)."""
+        self._idle.clear()
+        self._q.put(_Discard(step))
+
     def _invalidate(self, step: int) -> None:
         stores = [self.store] if self.rank == 0 else []
         if self.local is not None and self.rank == self.local.leader:
@@ -140,25 +152,46 @@ class Persister:
             task = self._q.get()
             if task is None:
                 return
+            if isinstance(task, _Discard):
+                self.store.remove_part(task.step, self.rank)  # best effort, never raises
+                if self._q.empty():
+                    self._idle.set()
+                continue
             step = task.snap.step if isinstance(task, _Write) else task.after_step
             try:
                 if isinstance(task, _Write):
+                    self.failed = False  # this write's outcome, until the next one
                     self._persist(task)
                 else:
                     self._invalidate(step)
-            except Exception as err:  # keep the thread alive; the failure is journaled
+            # Keep the thread alive (a dead writer would hang every rank waiting for it);
+            # DCP raises its CheckpointException, a BaseException, for a failed write.
+            except (Exception, CheckpointException) as err:
                 self.failed = self.failed or isinstance(task, _Write)
-                self.log.error("durable snapshot %d: %r", step, err)
-                self.journal.write(
-                    "persist_failed",
-                    step,
-                    {"error": repr(err), "url": self.store.url, "transient": is_transient(err)},
-                )
+                said = {"error": repr(err), "url": self.store.url, "transient": is_transient(err)}
                 if isinstance(task, _Write):  # a full disk must not fill up with dead parts
                     self.store.remove_part(step, self.rank)
+                    said.update(self._disk_full(task.snap))
+                self.log.error("durable snapshot %d: %s", step, said.get("why", said["error"]))
+                self.journal.write("persist_failed", step, said)
             finally:
                 if self._q.empty():
                     self._idle.set()
+
+    def _disk_full(self, snap: Snapshot) -> dict[str, Any]:
+        """What a failed local write says when the disk is (nearly) full: torch's writer
+        reports ENOSPC as "unexpected pos" in its zip container, which tells nobody."""
+        free = self.store.free_bytes()
+        if free is None or free >= max(snap.nbytes, 1 << 20):
+            return {}
+        return {
+            "disk_full": True,
+            "free_bytes": free,
+            "transient": False,
+            "why": f"no space left for snapshot {snap.step} under {self.store.url} ({free} "
+            f"bytes free, this rank's part is about {snap.nbytes}): free space there, lower "
+            "persist.keep, or point persist.url elsewhere; the committed snapshots are kept",
+        }
 
     def _retrying(self, what: str, step: int) -> Retrying:
         def before_sleep(state: RetryCallState) -> None:

@@ -29,10 +29,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(
-    cmd: list[str], env: dict[str, str] | None = None, timeout: float = 180
-) -> subprocess.CompletedProcess[str]:
-    """Run in a new session; on timeout kill the whole group (torchrun's workers included)."""
+def spawn(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """Start in a new session (so a timeout can kill the whole group), output captured."""
     full_env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -42,7 +40,7 @@ def run(
         ),
         **(env or {}),
     }
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd,
         cwd=REPO,
         env=full_env,
@@ -51,13 +49,24 @@ def run(
         text=True,
         start_new_session=True,
     )
+
+
+def wait(proc: subprocess.Popen[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Wait for ``proc``; on timeout kill its whole group (torchrun's workers included)."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{cmd} timed out after {timeout}s; output:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, None)
+        pytest.fail(f"{proc.args} timed out after {timeout}s; output:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def run(
+    cmd: list[str], env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
+    """Run in a new session; on timeout kill the whole group (torchrun's workers included)."""
+    return wait(spawn(cmd, env), timeout)
 
 
 def train(
@@ -69,6 +78,18 @@ def train(
     script: Path = EXAMPLE,
 ) -> subprocess.CompletedProcess[str]:
     """Run an example trainer (python for 1 rank, torchrun for more) into ``run_dir``."""
+    return run(*train_cmd(run_dir, nproc, *args, policy=policy, save=save, script=script))
+
+
+def train_cmd(
+    run_dir: Path,
+    nproc: int,
+    *args: str,
+    policy: dict[str, Any] | None = None,
+    save: bool = True,
+    script: Path = EXAMPLE,
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment :func:`train` runs (to start it without waiting)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {"ORCHESTRATOR_RUN_DIR": str(run_dir)}
     if policy is not None:
@@ -93,7 +114,7 @@ def train(
             *args,
             *extra,
         ]
-    return run(cmd, env)
+    return cmd, env
 
 
 def journal(run_dir: Path) -> list[dict[str, Any]]:

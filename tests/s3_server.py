@@ -6,6 +6,8 @@ Fixtures (import both into a test module, or load this file with ``-p s3_server`
   through the environment (so ``fsspec.open("s3://...")`` works here *and* in child
   processes that inherit ``os.environ``: subprocess, torchrun workers), stops it at the end.
 * ``s3_url`` (function): a fresh bucket, yielded as ``"s3://<bucket>/<unique-prefix>"``.
+* ``s3_endpoint_proxy`` (function): the server behind an :class:`Endpoint` (a TCP proxy)
+  that the test stops, starts and throttles; the environment points at the proxy.
 
 Skips, with the reason, when moto[server]/s3fs are missing or the server does not come up.
 s3fs caches listings per instance: a process that lists what *other* processes wrote must
@@ -14,11 +16,14 @@ call ``fs.invalidate_cache()`` first (or build its filesystem with ``use_listing
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -110,3 +115,159 @@ def s3_url(s3_endpoint: str) -> str:
     fs.mkdir(bucket)
     fs.invalidate_cache()
     return f"s3://{bucket}/{uuid.uuid4().hex[:8]}"
+
+
+class Endpoint:
+    """A TCP proxy on 127.0.0.1 in front of the moto server: the S3 endpoint the clients
+    use, which a test can stop and start (moto keeps its objects in memory, so the server
+    itself cannot be restarted with them). ``stop()`` closes the listener and resets every
+    open connection: a client sees what a dead server gives it (refused, reset). ``start()``
+    listens again on the same port. ``throttle(n)``: the next ``n`` requests get
+    ``503 SlowDown``, as S3 answers a client over its request rate."""
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._throttled = 0
+        self.throttled_total = 0
+        self._listener: socket.socket | None = None
+        self.start()
+
+    def start(self) -> None:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", self.port))
+        s.listen(64)
+        self._listener = s
+        threading.Thread(target=self._accept, args=(s,), daemon=True).start()
+
+    def stop(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        with self._lock:
+            conns, self._conns = self._conns, set()
+        for c in conns:  # RST, not FIN: the connection dies as with a crashed server
+            with contextlib.suppress(OSError):
+                c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                c.close()
+
+    def throttle(self, requests: int) -> None:
+        with self._lock:
+            self._throttled = requests
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # stopped
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        """One request per connection (the response says ``Connection: close``), so each
+        request can be throttled and none is in flight on a pooled connection unseen."""
+        with self._lock:
+            self._conns.add(client)
+        up: socket.socket | None = None
+        try:
+            request = _read_request(client)
+            if request is None:
+                return
+            with self._lock:
+                throttle = self._throttled > 0
+                if throttle:
+                    self._throttled -= 1
+                    self.throttled_total += 1
+            if throttle:
+                xml = (
+                    b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
+                    b"<Message>Please reduce your request rate.</Message></Error>"
+                )
+                if request.startswith(b"HEAD "):
+                    xml = b""  # a HEAD response has no body, an error's neither
+                client.sendall(
+                    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+                    + f"Content-Length: {len(xml)}\r\nConnection: close\r\n\r\n".encode()
+                    + xml
+                )
+                return
+            up = socket.create_connection(self.upstream)
+            with self._lock:
+                self._conns.add(up)
+            up.sendall(_closing(request))
+            response = b""
+            while chunk := up.recv(65536):
+                response += chunk
+            client.sendall(_closing(response))
+        except OSError:
+            pass
+        finally:
+            for c in (client, up):
+                if c is not None:
+                    with self._lock:
+                        self._conns.discard(c)
+                    with contextlib.suppress(OSError):
+                        c.close()
+
+
+def _read_request(client: socket.socket) -> bytes | None:
+    """One HTTP request: its head and its body (Content-Length, or chunked)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = client.recv(65536)
+        if not chunk:
+            return None
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    fields = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        fields[name.strip().lower()] = value.strip()
+    if b"100-continue" in fields.get(b"expect", b"").lower():
+        client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+    if fields.get(b"transfer-encoding", b"").lower() == b"chunked":
+        while not body.endswith(b"0\r\n\r\n"):
+            chunk = client.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+    else:
+        length = int(fields.get(b"content-length", b"0"))
+        while len(body) < length:
+            chunk = client.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def _closing(message: bytes) -> bytes:
+    """``message`` (a request or a response) with ``Connection: close`` as its only
+    connection header (and no ``Expect``: the proxy answered that itself)."""
+    head, _, body = message.partition(b"\r\n\r\n")
+    lines = [
+        ln for ln in head.split(b"\r\n") if not ln.lower().startswith((b"connection:", b"expect:"))
+    ]
+    return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n" + body
+
+
+@pytest.fixture
+def s3_endpoint_proxy(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Endpoint]:
+    """The session's S3 server behind an :class:`Endpoint` the test can stop, start and
+    throttle; this process and its children (inheriting the environment) use it."""
+    import s3fs
+
+    proxy = Endpoint(s3_endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+        s3fs.S3FileSystem.clear_instance_cache()
