@@ -11,8 +11,9 @@ import os
 import sys
 import time
 import warnings
+from typing import Any
 
-from orchestrator.errors import PolicyError
+from orchestrator.errors import OrchestratorError, PolicyError
 from orchestrator.policy import load_policy
 from orchestrator.protocol import (
     ENV_POLICY,
@@ -172,6 +173,9 @@ def _health(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from launch.status import follow, render
 
+    if not os.path.isdir(args.run_dir):
+        print(f"{args.run_dir}: no such run directory", file=sys.stderr)
+        return EXIT_INVALID
     if args.follow:
         return follow(args.run_dir, args.interval)
     print(render(args.run_dir))
@@ -198,6 +202,22 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.run_dir, args.steps)
 
 
+def _positive(kind: type) -> Any:
+    """An argparse type: a number of ``kind`` above zero (and finite)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be above 0")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orchestrator",
@@ -221,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     la.add_argument("--policy", help="policy YAML (default: $ORCHESTRATOR_POLICY or defaults)")
     la.add_argument("--run-dir", help="default: $ORCHESTRATOR_RUN_DIR or ./runs/<time>")
-    la.add_argument("--nproc", type=int, help="short form: build the torchrun command")
+    la.add_argument("--nproc", type=_positive(int), help="short form: build the torchrun command")
     la.add_argument(
         "--fresh",
         action="store_true",
@@ -242,7 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="one screen on a run: attempts, ranks, incidents")
     st.add_argument("run_dir")
     st.add_argument("--follow", action="store_true", help="refresh in place until the run ends")
-    st.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    st.add_argument(
+        "--interval", type=_positive(float), default=2.0, help="seconds between refreshes"
+    )
     st.set_defaults(func=_status)
     rp = sub.add_parser(
         "report", help="report.md (timeline, totals, quarantine) and report.png of a run"
@@ -254,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="2 CPU ranks under the supervisor: a NaN and a crash, recovered"
     )
     de.add_argument("--run-dir", help="default: ./runs/demo-<time>")
-    de.add_argument("--steps", type=int, default=120)
+    de.add_argument("--steps", type=_positive(int), default=120)
     de.set_defaults(func=_demo)
     return parser
 
@@ -266,7 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     # DCP warns on every single-process load; this command does that on purpose.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except (OrchestratorError, OSError, ValueError) as err:  # what bad input raises
+        print(f"orchestrator {args.command}: {err}", file=sys.stderr)
+        return EXIT_INVALID
 
 
 if __name__ == "__main__":

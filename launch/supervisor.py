@@ -61,6 +61,7 @@ from orchestrator.protocol import (
     EVENT_NODE_LOST,
     EVENT_RESTART,
     EVENT_SUPERVISOR_EXIT,
+    EXIT_CANNOT_START,
     EXIT_CRASH_LOOP,
     EXIT_GAVE_UP,
     EXIT_NODE_LOST,
@@ -107,6 +108,8 @@ class Supervisor:
         self._ended: Ended | None = None  # a peer that ended the job while we waited for it
         # snapshot.replicate: buddy: our ring's copy on another node, theirs here.
         self.replica: Replicator | None = None
+        self._cannot_start: str | None = None  # why the command could not start at all
+        self._announced = 0  # signals said to the person watching (outside the handler)
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> int:
@@ -162,6 +165,8 @@ class Supervisor:
                         self.replica.fetch_if_empty()
                     self.replica.start()
                 a = self._run_attempt(attempt)
+                if self._cannot_start is not None:  # restarting cannot help: say so at once
+                    return self._stop(journal, EXIT_CANNOT_START, self._cannot_start, best)
                 progressed = (a.best_step is not None and a.best_step > best) or (
                     # A script without the Guard writes no heartbeats: a long life is progress.
                     a.best_step is None and a.runtime_s >= self.sup.progress_runtime_s
@@ -287,6 +292,7 @@ class Supervisor:
         return float(wait(state)) if self.sup.backoff_s > 0 else 0.0
 
     def _stop(self, journal: Journal, code: int, why: str, best: int) -> tuple[int, str]:
+        self._announce()
         journal.write(
             EVENT_SUPERVISOR_EXIT, best, {"exit_code": code, "reason": why, "node": self.node}
         )
@@ -341,7 +347,11 @@ class Supervisor:
                     preexec_fn=die_with_parent,  # nothing outlives a SIGKILLed supervisor
                 )
             except OSError as err:  # not found, not executable: no attempt can succeed
-                self._say(f"cannot start {self.cmd[0]!r}: {err}")
+                self._cannot_start = (
+                    f"cannot start {self.cmd[0]!r}: {err.strerror or err} "
+                    f"({type(err).__name__}); check the command after `--` (on PATH? "
+                    "executable?)"
+                )
                 return Attempt(attempt, 127, CRASH, None, 0.0)
             if self._signals:  # a signal came while we were starting it
                 self._kill(signal.SIGTERM)
@@ -366,6 +376,7 @@ class Supervisor:
     ) -> dict[int, int] | None:
         """Poll until the child exits; on a hang, stop it and return the stalled ranks."""
         while proc.poll() is None:
+            self._announce()
             self._seen.add(descendants(proc.pid))  # torchrun puts workers in new sessions
             if (
                 self._term_sent_at is not None
@@ -483,20 +494,35 @@ class Supervisor:
 
     # --- signals and helpers ----------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
+        """Forward the stop; nothing is printed or logged here (a handler that takes the
+        logging or stdout lock the interrupted code holds deadlocks or raises): the main
+        loop says it (:meth:`_announce`)."""
         self._signals += 1
+        self._last_signal = signum
         self._wake.set()
         if self._signals == 1 or signum == signal.SIGTERM:
             # Forward: the Guard turns it into a collective stop with a durable snapshot.
-            self._say(
-                f"got {signal.Signals(signum).name}: stopping the workers gracefully "
-                f"(up to {self.sup.grace_s:.0f} s); press Ctrl-C again to kill them now"
-            )
             self._kill(signal.SIGTERM)
             if self._term_sent_at is None:
                 self._term_sent_at = time.time()
         else:
-            self._say("second interrupt: killing the workers now")
             self._kill(signal.SIGKILL)
+
+    _last_signal: int = signal.SIGTERM
+
+    def _announce(self) -> None:
+        """Say, from the main loop, what the signal handler did since the last call."""
+        if self._announced >= self._signals:
+            return
+        if self._announced == 0 or self._last_signal == signal.SIGTERM:
+            self._say(
+                f"got {signal.Signals(self._last_signal).name}: stopping the workers "
+                f"gracefully (up to {self.sup.grace_s:.0f} s); press Ctrl-C again to kill "
+                "them now"
+            )
+        else:
+            self._say("second interrupt: killing the workers now")
+        self._announced = self._signals
 
     def _kill(self, sig: int) -> None:
         """Signal the launcher's process group and every worker under it (torchrun starts

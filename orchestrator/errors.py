@@ -13,6 +13,7 @@ from __future__ import annotations
 
 # Worker exit codes (orchestrator.protocol; README "Exit codes"), re-exported here.
 from orchestrator.protocol import (
+    EXIT_CANNOT_START,
     EXIT_CRASH_LOOP,
     EXIT_GAVE_UP,
     EXIT_LOCKED,
@@ -24,6 +25,7 @@ from orchestrator.protocol import (
 )
 
 __all__ = [
+    "EXIT_CANNOT_START",
     "EXIT_CRASH_LOOP",
     "EXIT_GAVE_UP",
     "EXIT_LOCKED",

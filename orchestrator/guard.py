@@ -47,7 +47,7 @@ from orchestrator.lifecycle import (
 )
 from orchestrator.metrics import Metrics
 from orchestrator.policy import Policy, load_policy
-from orchestrator.protocol import LEDGER_NAME
+from orchestrator.protocol import ENV_SHM_DIR, LEDGER_NAME
 from orchestrator.quarantine import Ledger
 from orchestrator.recovery import Recovery
 from orchestrator.snapshot import SnapshotRing
@@ -104,60 +104,88 @@ class Guard:
         self.engine: Engine = engine_for(
             model, optimizer, scheduler, scaler, engine, grad_accum_steps
         )
-        self.engine.check_policy(p)
-        self.run_dir = resolve_run_dir(comm, run_dir, fresh, p)
-        self.attempt = agree_attempt(comm)
-        self.global_step = 0  # committed steps so far = index of the next step (0-based)
-        self.journal = Journal(self.run_dir, comm.global_rank, self.attempt)
-        self._decide = Decisions(self.journal, comm.rank == 0)
-        self.shm = open_shm(p, comm, self.run_dir, self.attempt)  # None: private memory
-        self.ring = SnapshotRing(
-            p.snapshot.keep,
-            alloc=self.shm.alloc if self.shm else None,
-            on_drop=self.shm.drop if self.shm else None,
-        )
-        self.adjuster = LRAdjuster(p.adjust)
-        self.faults = FaultInjector(p.faults, comm.global_rank, self.run_dir, self.journal)
-        ledger = Ledger(p.quarantine.ledger_url or os.path.join(self.run_dir, LEDGER_NAME))
-        # Rank 0 reads, every rank gets the same set: shards must never overlap.
-        in_ledger = comm.broadcast_object(ledger.load() if comm.rank == 0 else None)
-        self.cursor = DataCursor(comm, in_ledger, p.quarantine.window_steps)
-        self.durable = DurableTier(
-            p, comm, self.engine, self.run_dir, self.journal, self.faults, self._event, self.shm
-        )
-        self.heartbeat = Heartbeat(
-            self.run_dir, comm.global_rank, self.attempt, p.supervisor.heartbeat_interval_s
-        )
-        self.keeper = StateKeeper(
-            p, comm, self.engine, self.ring, self.durable, cursor=self.cursor,
-            adjuster=self.adjuster, heartbeat=self.heartbeat, decide=self._decide, shm=self.shm,
-        )  # fmt: skip
-        self.check = StepCheck(p, comm, self.engine, self.durable, self.heartbeat, self._decide)
-        # The step being run: phase (idle, batch, backward, stepped), micro-batches so far.
-        self._phase, self._micro = "idle", 0
-        self._cur_ids: list[int] = []
-        self._loss: torch.Tensor | None = None
-        self._given: torch.Tensor | None = None  # the tensor the loop gave to backward
-        self._resumed = False  # batches() resumed (or found nothing to resume from)
-        self._checked: Checked | None = None  # the last step's check, as every rank saw it
-        check_memory(p, comm, self.engine, self.shm.root if self.shm else None)
-        self.metrics = Metrics(p.metrics, self.run_dir, self.attempt, comm.rank == 0)
-        self.faults.install_module_faults(
-            self.engine.core, lambda: self.global_step, lambda: self.investigation.incident_step
-        )
-        self.health = HealthChecker.for_policy(p, comm, self.faults, self.run_dir)
-        self.investigation = Investigation(p, comm, self.engine, self._decide)
-        self.recovery = Recovery(
-            p, comm, self.engine, ring=self.ring, cursor=self.cursor, adjuster=self.adjuster,
-            ledger=ledger, durable=self.durable, metrics=self.metrics, heartbeat=self.heartbeat,
-            health=self.health, journal=self.journal,
-        )  # fmt: skip
-        self.lifecycle = Lifecycle(
-            p, comm, self.run_dir, journal=self.journal, keeper=self.keeper, durable=self.durable,
-            heartbeat=self.heartbeat, metrics=self.metrics, health=self.health,
-            recovery=self.recovery, cursor=self.cursor,
-        )  # fmt: skip
-        self.lifecycle.start(len(in_ledger), lambda: self.global_step)
+        try:
+            self.engine.check_policy(p)
+            self.run_dir = resolve_run_dir(comm, run_dir, fresh, p)
+            self.attempt = agree_attempt(comm)
+            self.global_step = 0  # committed steps so far = index of the next step (0-based)
+            self.journal = Journal(self.run_dir, comm.global_rank, self.attempt)
+            self._decide = Decisions(self.journal, comm.rank == 0)
+            self.shm = open_shm(p, comm, self.run_dir, self.attempt)  # None: private memory
+            self.ring = SnapshotRing(
+                p.snapshot.keep,
+                alloc=self.shm.alloc if self.shm else None,
+                on_drop=self.shm.drop if self.shm else None,
+            )
+            self.adjuster = LRAdjuster(p.adjust)
+            self.faults = FaultInjector(p.faults, comm.global_rank, self.run_dir, self.journal)
+            ledger = Ledger(p.quarantine.ledger_url or os.path.join(self.run_dir, LEDGER_NAME))
+            # Rank 0 reads, every rank gets the same set: shards must never overlap.
+            in_ledger = comm.broadcast_object(ledger.load() if comm.rank == 0 else None)
+            self.cursor = DataCursor(comm, in_ledger, p.quarantine.window_steps)
+            self.durable = DurableTier(
+                p, comm, self.engine, self.run_dir, self.journal, self.faults, self._event, self.shm
+            )
+            self.heartbeat = Heartbeat(
+                self.run_dir,
+                comm.global_rank,
+                self.attempt,
+                p.supervisor.heartbeat_interval_s,
+                on_error=lambda err: self.journal.write(
+                    "heartbeat_failed", self.global_step, {"error": repr(err)}
+                ),
+            )
+            self.keeper = StateKeeper(
+                p, comm, self.engine, self.ring, self.durable, cursor=self.cursor,
+                adjuster=self.adjuster, heartbeat=self.heartbeat, decide=self._decide, shm=self.shm,
+            )  # fmt: skip
+            self.check = StepCheck(p, comm, self.engine, self.durable, self.heartbeat, self._decide)
+            # The step being run: phase (idle, batch, backward, stepped), micro-batches so far.
+            self._phase, self._micro = "idle", 0
+            self._cur_ids: list[int] = []
+            self._loss: torch.Tensor | None = None
+            self._given: torch.Tensor | None = None  # the tensor the loop gave to backward
+            self._resumed = False  # batches() resumed (or found nothing to resume from)
+            self._checked: Checked | None = None  # the last step's check, as every rank saw it
+            check_memory(p, comm, self.engine, self.shm.root if self.shm else None)
+            self.metrics = Metrics(p.metrics, self.run_dir, self.attempt, comm.rank == 0)
+            self.faults.install_module_faults(
+                self.engine.core, lambda: self.global_step, lambda: self.investigation.incident_step
+            )
+            self.health = HealthChecker.for_policy(p, comm, self.faults, self.run_dir)
+            self.investigation = Investigation(p, comm, self.engine, self._decide)
+            self.recovery = Recovery(
+                p, comm, self.engine, ring=self.ring, cursor=self.cursor, adjuster=self.adjuster,
+                ledger=ledger, durable=self.durable, metrics=self.metrics, heartbeat=self.heartbeat,
+                health=self.health, journal=self.journal,
+            )  # fmt: skip
+            self.lifecycle = Lifecycle(
+                p, comm, self.run_dir, journal=self.journal, keeper=self.keeper,
+                durable=self.durable, heartbeat=self.heartbeat, metrics=self.metrics,
+                health=self.health, recovery=self.recovery, cursor=self.cursor,
+            )  # fmt: skip
+            self.lifecycle.start(len(in_ledger), lambda: self.global_step)
+        except BaseException:
+            self._abandon_start()
+            raise
+
+    def _abandon_start(self) -> None:
+        """Start-up failed part way: stop the threads and close the files it had opened (the
+        persist and heartbeat threads, the shared-memory ring, the health group, the
+        journal) and detach from the user's objects, so a script that catches the error and
+        goes on holds none of them."""
+        for close in (
+            lambda: self.durable.close(),
+            lambda: self.heartbeat.close(),
+            lambda: self.health.close() if self.health is not None else None,
+            lambda: self.shm.close(remove=ENV_SHM_DIR not in os.environ) if self.shm else None,
+            lambda: self.journal.close(),
+            lambda: self.engine.release(),
+        ):
+            try:
+                close()
+            except Exception:  # not built yet (AttributeError), or closing failed: go on
+                pass
 
     # ------------------------------------------------------------------ public API ----
     @property

@@ -18,10 +18,12 @@ so the ranks furthest behind are the suspects (``suspects``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from orchestrator.protocol import ENV_SUPERVISOR_PID, HEARTBEAT_DIR, node_name, node_path
@@ -32,9 +34,22 @@ from orchestrator.stacks import arm, disarm, main_thread_id
 # at an earlier position; other phases (recovered, closing, ...) are not compared.
 STEP_PHASES = ("train", "backward", "check")
 
+logger = logging.getLogger(__name__)
+
 
 class Heartbeat:
-    def __init__(self, run_dir: str, rank: int, attempt: int, interval_s: float) -> None:
+    """``on_error(err)`` is called once, on the writer thread, the first time a beat cannot
+    be written (a full or vanished disk): the supervisor would otherwise see this rank
+    fall silent and call it a hang, with nothing in the journal to say why."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        rank: int,
+        attempt: int,
+        interval_s: float,
+        on_error: Callable[[OSError], object] | None = None,
+    ) -> None:
         self.dir = node_path(run_dir, HEARTBEAT_DIR, node_name())
         os.makedirs(self.dir, exist_ok=True)
         self.path = os.path.join(self.dir, f"rank{rank}.json")
@@ -56,6 +71,8 @@ class Heartbeat:
         self._lock = threading.Lock()  # the writer thread and forced writes share the file
         self._stop = threading.Event()
         self._writer: threading.Thread | None = None
+        self._on_error = on_error
+        self.failures = 0  # beats that could not be written
 
     def beat(self, step: int, phase: str = "train", force: bool = False) -> None:
         """Progress at ``step`` (a commit, a recovery); ``force`` writes it now."""
@@ -86,8 +103,21 @@ class Heartbeat:
         while True:
             try:
                 self._write()
-            except OSError:
-                pass  # a full or vanished disk: the beats stop, which the supervisor sees
+            except OSError as err:  # a full or vanished disk: the supervisor will see silence
+                self.failures += 1
+                if self.failures == 1:
+                    logger.error(
+                        "rank %d: heartbeat %s cannot be written (%s); the supervisor may "
+                        "judge this rank hung: check the run directory's disk",
+                        self.base["rank"],
+                        self.path,
+                        err,
+                    )
+                    if self._on_error is not None:
+                        try:
+                            self._on_error(err)
+                        except Exception:  # the journal may sit on the same full disk
+                            pass
             if self._stop.wait(self.interval_s):
                 return
 

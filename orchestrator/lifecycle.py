@@ -190,7 +190,11 @@ def _available_host_bytes() -> int | None:
 class StopSignals:
     """SIGTERM/SIGINT become a collective stop at the next step boundary (``requested``
     rides the step's all-reduce). SIGTERM stays caught (torchrun and a supervisor may both
-    send it); a second SIGINT gets Python's default: KeyboardInterrupt."""
+    send it); a second SIGINT gets Python's default: KeyboardInterrupt.
+
+    A handler the script installed before the Guard is chained, not replaced: it runs
+    after the stop is recorded (and takes the second SIGINT instead of KeyboardInterrupt).
+    Python's own defaults are not called (they would raise or kill before the snapshot)."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -200,10 +204,16 @@ class StopSignals:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread
 
-        def on_signal(signum: int, frame: object) -> None:
+        def on_signal(signum: int, frame: Any) -> None:
             self.requested = True
+            previous = self._old.get(signum)
+            theirs = previous if callable(previous) else None
+            if theirs is signal.default_int_handler:
+                theirs = None
             if signum == signal.SIGINT:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+                signal.signal(signal.SIGINT, theirs or signal.default_int_handler)
+            if theirs is not None:
+                theirs(signum, frame)
 
         self._old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
 

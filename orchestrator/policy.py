@@ -138,9 +138,10 @@ def _format_errors(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown key (check spelling; see configs/default.yaml for every key)"
-        got = e.get("input")
+        got = repr(e.get("input"))
+        got = got if len(got) <= 80 else f"{got[:77]}..."
         quiet = ("extra_forbidden", "missing", "value_error")  # value_error: says it already
-        shown = "" if e["type"] in quiet else f" (got {got!r})"
+        shown = "" if e["type"] in quiet else f" (got {got})"
         lines.append(f"  {path}: {msg}{shown}")
     return "\n".join(lines)
 
@@ -173,10 +174,50 @@ def load_policy(path: str | os.PathLike[str] | None = None) -> Policy:
         return Policy()
     path = os.fspath(path)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        with open(path, "rb") as f:
+            raw = f.read(MAX_POLICY_BYTES + 1)
     except FileNotFoundError:
         raise PolicyError(f"policy file {path} does not exist") from None
+    except IsADirectoryError:
+        raise PolicyError(f"policy file {path} is a directory; name the YAML file") from None
+    except OSError as err:
+        raise PolicyError(f"policy file {path} cannot be read: {err.strerror}") from None
+    if len(raw) > MAX_POLICY_BYTES:
+        raise PolicyError(f"policy file {path} is over {MAX_POLICY_BYTES >> 20} MiB: not a policy")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise PolicyError(
+            f"policy file {path} is not UTF-8 text (byte {err.start}: {raw[err.start : err.end]!r})"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise PolicyError(f"policy file {path} is not valid YAML: {err}") from None
+    except RecursionError:
+        raise PolicyError(f"policy file {path} nests too deeply to be a policy") from None
+    if _expanded_size(data, {}) > MAX_POLICY_VALUES:
+        raise PolicyError(
+            f"policy file {path} expands to over {MAX_POLICY_VALUES} values (YAML anchors "
+            "repeated within each other?): not a policy"
+        )
     return parse_policy(data, source=path)
+
+
+MAX_POLICY_BYTES = 1 << 20
+MAX_POLICY_VALUES = 100_000
+
+
+def _expanded_size(node: Any, seen: dict[int, int]) -> int:
+    """How many values ``node`` holds once YAML aliases are expanded (each alias is the same
+    object: memoized by id, so a billion-fold expansion is counted, not walked)."""
+    if id(node) in seen:
+        return seen[id(node)]
+    size = 1
+    if isinstance(node, dict):
+        size += sum(_expanded_size(k, seen) + _expanded_size(v, seen) for k, v in node.items())
+    elif isinstance(node, list):
+        size += sum(_expanded_size(v, seen) for v in node)
+    if isinstance(node, (dict, list)):
+        seen[id(node)] = size
+    return size

@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # No inf or nan: a duration of .inf or .nan would silently disable what it bounds.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class SnapshotPolicy(_Section):
@@ -19,6 +20,7 @@ class SnapshotPolicy(_Section):
     keep: int = Field(
         2,
         ge=2,
+        le=64,  # each slot is a whole copy of the rank's state in host memory
         description="Ring slots per rank (>= 2: the newest may not be sealed yet); "
         "host buffers are allocated once and reused.",
     )

@@ -36,6 +36,7 @@ EXIT_CRASH_LOOP = 74  # attempts in a row made no progress: a bug or a broken no
 EXIT_RESTARTS_EXHAUSTED = 75  # supervisor.max_restarts spent
 EXIT_LOCKED = 76  # another supervisor runs this node of this run directory: do not requeue
 EXIT_NODE_LOST = 77  # a node's supervisor was not seen for supervisor.node_timeout_s
+EXIT_CANNOT_START = 78  # the command cannot be started at all (not found, not executable)
 
 # --- the run directory ----------------------------------------------------------------------
 JOURNAL_DIR = "journal"  # journal/<node>.jsonl: one event per line, from each node's processes

@@ -306,3 +306,58 @@ def test_nothing_outlives_a_sigkilled_supervisor(tmp_path: Path) -> None:
     again = run(launch_cmd(d, BASE, sys.executable, "-c", "print('next supervisor')"))
     assert again.returncode == 0, again.stdout  # the kernel released the dead one's lock
     assert lock.exists()
+
+
+def test_a_command_that_cannot_start_stops_at_once(tmp_path: Path) -> None:
+    """Not found, or not executable: one attempt, exit 78 with the reason, no backed-off
+    retries ending in a crash-loop verdict."""
+    from orchestrator.errors import EXIT_CANNOT_START
+
+    not_exec = tmp_path / "train.sh"
+    not_exec.write_text("#!/bin/sh\necho never\n")  # no execute bit
+    for cmd in ([str(tmp_path / "no-such-command")], [str(not_exec)]):
+        d = tmp_path / f"run-{len(cmd[0])}"
+        t0 = time.monotonic()
+        r = run(launch_cmd(d, {"supervisor": {**FAST, "backoff_s": 5.0}}, *cmd), timeout=60)
+        assert r.returncode == EXIT_CANNOT_START, r.stdout[-3000:]
+        assert time.monotonic() - t0 < 20  # no backoff was waited
+        assert len(kinds(d, "attempt_start")) == 1 and not kinds(d, "restart")
+        (end,) = kinds(d, "supervisor_exit")
+        assert end["details"]["exit_code"] == EXIT_CANNOT_START
+        assert cmd[0] in end["details"]["reason"]
+
+
+CHAINED = """
+import os, signal, sys, torch
+sys.path.insert(0, {tests!r})
+from inproc import Regression
+from orchestrator import Guard, load_policy
+def mine(signum, frame):
+    open({marker!r}, "a").write(f"{{signal.Signals(signum).name}}\\n")
+signal.signal(signal.SIGTERM, mine)
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with Guard(load_policy(), model=model, optimizer=opt) as guard:
+    for x, y in guard.batches(guard.dataloader(Regression(), batch_size=4), max_steps=50):
+        guard.backward(torch.nn.functional.mse_loss(model(x).squeeze(-1), y))
+        guard.step()
+        if guard.global_step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+def test_the_scripts_own_signal_handler_still_runs(tmp_path: Path) -> None:
+    """A script's SIGTERM handler installed before the Guard is chained: the Guard stops
+    the run with a durable snapshot (exit 73) and the script's handler runs too."""
+    from orchestrator.errors import EXIT_PREEMPTED
+
+    marker = tmp_path / "handled"
+    script = tmp_path / "chained.py"
+    script.write_text(CHAINED.format(tests=str(REPO / "tests"), marker=str(marker)))
+    d = tmp_path / "run"
+    r = run([sys.executable, str(script)], env={"ORCHESTRATOR_RUN_DIR": str(d)}, timeout=120)
+    assert r.returncode == EXIT_PREEMPTED, r.stdout[-3000:]
+    assert marker.read_text() == "SIGTERM\n"
+    (pre,) = kinds(d, "preempted")
+    assert pre["step"] == 6 and pre["details"]["persisted"] is True

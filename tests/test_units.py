@@ -671,3 +671,47 @@ def test_the_shared_memory_ring_without_a_supervisor_cleans_up_at_close(tmp_path
     missing = {"snapshot": {"shared_memory": True, "shm_dir": str(tmp_path / "nope")}}
     with pytest.raises(PolicyError, match=r"but it does not exist: free or enlarge"):
         train(tmp_path / "run2", missing, steps=2)
+
+
+def test_a_failed_start_leaves_no_thread_and_no_open_file(tmp_path: Path) -> None:
+    """The Guard's start fails part way (a ring folder that does not exist): the persist and
+    heartbeat threads it started are stopped and the journal is closed, so a script that
+    catches the error and goes on holds none of them."""
+    import os
+    import threading
+
+    before = {t.ident for t in threading.enumerate()}
+    run = tmp_path / "run"
+    policy = {"snapshot": {"shared_memory": True, "shm_dir": str(tmp_path / "nope")}}
+    with pytest.raises(PolicyError, match="does not exist"):
+        train(run, policy, steps=2)
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert left == []
+    open_files = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            open_files.append(os.readlink(f"/proc/self/fd/{fd}"))
+    assert not [f for f in open_files if f.startswith(str(run))], open_files
+
+
+def test_a_heartbeat_that_cannot_be_written_is_said_once(tmp_path: Path) -> None:
+    """The heartbeat file cannot be written (its folder replaced by a file, as a vanished
+    or full disk does): the error is reported once, not every interval, and not silently."""
+    import shutil
+
+    from orchestrator.heartbeat import Heartbeat
+
+    said: list[OSError] = []
+    beat = Heartbeat(str(tmp_path), rank=0, attempt=0, interval_s=0.02, on_error=said.append)
+    beat.beat(1)
+    deadline = time.monotonic() + 10
+    while not Path(beat.path).exists():  # bounded poll: the writer's first beat
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    shutil.rmtree(beat.dir)
+    Path(beat.dir).write_text("not a folder any more")
+    while beat.failures < 5:  # bounded poll: five intervals that could not write
+        assert time.monotonic() < deadline, "the writer stopped trying"
+        time.sleep(0.01)
+    beat.close()
+    assert len(said) == 1 and isinstance(said[0], OSError)
