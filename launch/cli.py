@@ -218,6 +218,15 @@ def _positive(kind: type) -> Any:
     return parse
 
 
+def _drill(args: argparse.Namespace) -> int:
+    from launch.drill import run_drill
+
+    return run_drill(
+        args.out, args.quick, args.engines, args.faults, args.policy, args.nproc, args.steps,
+        args.readme,
+    )  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="orchestrator",
@@ -272,6 +281,22 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dir")
     rp.add_argument("--out", help="directory for the report (default: the run directory)")
     rp.set_defaults(func=_report)
+    dr = sub.add_parser(
+        "drill",
+        help="every fault on every engine, judged against clean runs: a table (exit 1 if a "
+        "cell fails)",
+        description="Runs the example model under the supervisor once per engine x fault, "
+        "each in its own run directory under --out, and writes drill.md and drill.json there.",
+    )
+    dr.add_argument("--quick", action="store_true", help="DDP and six faults (a few minutes)")
+    dr.add_argument("--engines", help="comma-separated: ddp,fsdp2,fsdp1,zero1,zero2,zero3")
+    dr.add_argument("--faults", help="comma-separated fault names (default: all)")
+    dr.add_argument("--out", help="folder for the cells and the table (default: ./drill-<time>)")
+    dr.add_argument("--policy", help="base policy: your storage, key and retries are drilled")
+    dr.add_argument("--nproc", type=_positive(int), default=2, help="ranks per run")
+    dr.add_argument("--steps", type=_positive(int), default=40, help="steps per run (>= 30)")
+    dr.add_argument("--readme", help="also put the table between the drill markers of this file")
+    dr.set_defaults(func=_drill)
     de = sub.add_parser(
         "demo", help="2 CPU ranks under the supervisor: a NaN and a crash, recovered"
     )

@@ -78,6 +78,7 @@ from orchestrator.rundir import write_policy
 from orchestrator.stacks import STACK_SIGNAL
 
 logger = logging.getLogger(__name__)
+HANG_GRACE_S = 5.0  # after SIGTERM, what a hung attempt gets before SIGKILL
 
 
 class Supervisor:
@@ -432,7 +433,10 @@ class Supervisor:
                 self._say(f"hang: {what}; stopping (log: {self._log_path(attempt)})")
                 self._kill(signal.SIGTERM)
                 try:
-                    proc.wait(self.sup.grace_s)
+                    # A hung rank cannot take a graceful stop (nor can the ranks blocked in
+                    # a collective with it): a short grace lets launchers and NCCL's flight
+                    # recorder write what they can, not grace_s of a snapshot nobody writes.
+                    proc.wait(min(self.sup.grace_s, HANG_GRACE_S))
                 except subprocess.TimeoutExpired:
                     self._kill(signal.SIGKILL)
                 return stalled

@@ -1,0 +1,45 @@
+"""`orchestrator drill --quick` as a user runs it: DDP, six faults, each cell under the
+supervisor in its own run directory, judged against a clean run; every cell must pass."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run
+from launch.drill import BEGIN, END, QUICK, update_readme
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_the_quick_drill_passes(tmp_path: Path) -> None:
+    out = tmp_path / "drill"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{BEGIN}\nold table\n{END}\n\nafter\n")
+    cmd = [sys.executable, "-m", "launch.cli", "drill", "--quick", "--out", str(out),
+           "--readme", str(readme)]  # fmt: skip
+    r = run(cmd, timeout=840)
+    assert r.returncode == 0, r.stdout[-4000:]
+    doc = json.loads((out / "drill.json").read_text())
+    cells = {c["fault"]: c for c in doc["cells"]}
+    assert list(cells) == list(QUICK) and {c["engine"] for c in doc["cells"]} == {"ddp"}
+    for name, c in cells.items():
+        assert c["passed"] and c["data_lost"] == [], (name, c)
+        assert c["bitwise"] == "yes", (name, c)  # every quick fault promises it
+        assert c["steps_lost"] is not None and c["recovery_s"] is not None, (name, c)
+    assert cells["preempt"]["exit_codes"] == [73, 0] and cells["preempt"]["steps_lost"] == 0
+    assert cells["nan"]["steps_lost"] == 3 and cells["crash"]["steps_lost"] == 7
+    md = (out / "drill.md").read_text()
+    text = readme.read_text()
+    assert "old table" not in text and md.strip() in text and text.endswith("after\n")
+
+
+def test_a_readme_without_the_markers_is_refused(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers\n")
+    with pytest.raises(ValueError, match="drill:begin"):
+        update_readme(readme, "| table |")
+    assert readme.read_text() == "no markers\n"
