@@ -36,7 +36,6 @@ from typing import Any
 import yaml
 
 from orchestrator.errors import EXIT_PREEMPTED, EXIT_UNHEALTHY
-from orchestrator.heartbeat import read_heartbeats
 from orchestrator.journal import read_journal
 from orchestrator.metrics import read_metrics
 from orchestrator.policy import load_policy, parse_policy
@@ -70,8 +69,7 @@ ENGINES = (
 class Fault:
     """One column of the matrix. ``faults(world)``: the policy's fault list; ``expect``: the
     exit code the job must end with; ``bitwise``: whether its final state must equal the
-    clean run's; ``sigterm_at``: preempt the supervisor once training reaches that step
-    (then run the same command again, which must finish)."""
+    clean run's; ``again``: then run the same command again, which must finish."""
 
     name: str
     what: str
@@ -79,7 +77,7 @@ class Fault:
     expect: int = 0
     bitwise: bool = True
     policy: dict[str, Any] = field(default_factory=dict)
-    sigterm_at: int | None = None
+    again: bool = False
     reference: str = "clean"  # which clean run it is compared with
 
 
@@ -101,7 +99,7 @@ FAULTS = (
     Fault("hang", "rank 0 blocks forever at step 27",
           lambda w: [{"kind": "hang", "step": 27, "rank": 0}]),
     Fault("preempt", "SIGTERM to the supervisor at step 25, then the same command",
-          lambda w: [], expect=EXIT_PREEMPTED, sigterm_at=25),
+          lambda w: [{"kind": "preempt", "step": 25}], expect=EXIT_PREEMPTED, again=True),
     Fault("storage", "3 durable writes fail (transient)",
           lambda w: [{"kind": "storage_error", "op": "write", "times": 3}]),
     Fault("kill_write", "rank 0 killed between manifest and COMMITTED (step 20)",
@@ -252,20 +250,16 @@ class Drill:
         path.write_text(yaml.safe_dump(policy))
         log = run_dir.parent / f"{fault.name}.log"
         expected = "exit 0" if fault.expect == 0 else f"exit {fault.expect}"
-        if fault.sigterm_at is not None:
+        if fault.again:
             expected = f"exit {fault.expect}, then 0"
         c = Cell(engine.name, fault.name, fault.what, expected, run_dir=str(run_dir))
         t0 = time.monotonic()
         cmd = self._cmd(engine, run_dir, path)
-        proc = self._start(cmd, log)
-        signalled: tuple[float, int] | None = None
-        if fault.sigterm_at is not None:
-            signalled = self._preempt_at(proc, run_dir, fault.sigterm_at)
-        c.exit_codes.append(self._wait(proc))
-        if fault.sigterm_at is not None and c.exit_codes[0] == fault.expect:
+        c.exit_codes.append(self._wait(self._start(cmd, log)))
+        if fault.again and c.exit_codes[0] == fault.expect:
             c.exit_codes.append(self._wait(self._start(cmd, log)))  # the same command again
         c.seconds = round(time.monotonic() - t0, 1)
-        want = [fault.expect, 0] if fault.sigterm_at is not None else [fault.expect]
+        want = [fault.expect, 0] if fault.again else [fault.expect]
         survived = c.exit_codes == want
         c.outcome = "survived" if survived and fault.expect == 0 else (
             f"stopped with {fault.expect} as expected" if survived else
@@ -275,24 +269,10 @@ class Drill:
             ref_dir, ref_code = reference
             same = ref_code == 0 and _same_final(ref_dir / "final", run_dir / "final")
             c.bitwise = "yes" if same else "NO"
-        c.recovery_s, c.steps_lost = _recovery(run_dir, signalled)
+        c.recovery_s, c.steps_lost = _recovery(run_dir)
         c.data_lost = _audit(run_dir, url)
         c.passed = survived and c.bitwise != "NO" and not c.data_lost
         return c
-
-    def _preempt_at(
-        self, proc: subprocess.Popen[bytes], run_dir: Path, step: int
-    ) -> tuple[float, int] | None:
-        """SIGTERM the supervisor once a rank has passed ``step`` (bounded by the timeout)."""
-        deadline = time.monotonic() + self.timeout_s
-        while proc.poll() is None and time.monotonic() < deadline:
-            beats = read_heartbeats(str(run_dir))
-            if beats and max(int(b["step"]) for b in beats) >= step:
-                at = time.time()
-                proc.send_signal(signal.SIGTERM)
-                return at, max(int(b["step"]) for b in beats)
-            time.sleep(0.1)  # bounded by the deadline
-        return None
 
     # --- the matrix -----------------------------------------------------------------------
     def run(self, say: Callable[[str], None]) -> list[Cell]:
@@ -351,21 +331,14 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _recovery(
-    run_dir: Path, signalled: tuple[float, int] | None
-) -> tuple[float | None, int | None]:
+def _recovery(run_dir: Path) -> tuple[float | None, int | None]:
     """(seconds from the fault to the next completed step, steps recomputed) from the
     journal and metrics; (None, None) for a fault that interrupted nothing."""
     events = list(read_journal(str(run_dir)))
-    if signalled is not None:
-        at = signalled[0]
-        pre = [e for e in events if e["kind"] == "preempting"]
-        step = int(pre[0]["step"]) if pre else signalled[1]
-    else:
-        faults = [e for e in events if e["kind"] == "fault"]
-        if not faults:
-            return None, None
-        at, step = float(faults[-1]["time"]), int(faults[-1]["step"])
+    faults = [e for e in events if e["kind"] == "fault"]
+    if not faults:
+        return None, None
+    at, step = float(faults[-1]["time"]), int(faults[-1]["step"])
     back = [e for e in events if e["time"] > at and e["kind"] in ("rollback", "resume")]
     if not back:
         return None, None

@@ -17,6 +17,7 @@ from orchestrator.protocol import (
     EVENT_GAVE_UP,
     EVENT_PREEMPTED,
     EVENT_PREEMPTING,
+    EVENT_RUN_END,
     EVENT_UNHEALTHY,
     EXCLUDE_NAME,
     EXIT_GAVE_UP,
@@ -61,13 +62,21 @@ class Attempt:
 
 
 def classify(run_dir: str, rc: int, attempt: int) -> str:
-    """The outcome of an attempt, from its exit code or its workers' journal events."""
+    """The outcome of an attempt, from its exit code or its workers' journal events. A run
+    whose workers journaled a finished end is OK whatever the launcher exited with after
+    it (a stop request that came as it finished, a teardown that crashed): restarting it
+    would find nothing left to train."""
     if rc in _BY_CODE:
         return _BY_CODE[rc]
+    finished = False
     for e in read_journal(run_dir):  # torchrun masks its workers' codes
-        if e.get("attempt") == attempt and e.get("kind") in _BY_EVENT:
+        if e.get("attempt") != attempt:
+            continue
+        if e.get("kind") in _BY_EVENT:
             return _BY_EVENT[e["kind"]]
-    return CRASH
+        if e.get("kind") == EVENT_RUN_END and e["details"].get("status") == "finished":
+            finished = True
+    return OK if finished else CRASH
 
 
 def last_journaled_step(run_dir: str, attempt: int) -> int | None:

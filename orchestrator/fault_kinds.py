@@ -63,6 +63,14 @@ class ExitFault(_StepFault):
     code: int = Field(1, ge=0, le=255, description="Exit code of the process.")
 
 
+class PreemptFault(_StepFault):
+    """At this step the rank sends SIGTERM to its supervisor ($ORCHESTRATOR_SUPERVISOR_PID),
+    as a scheduler preempting the job would (to itself without a supervisor): the stop
+    arrives at a known step, however fast the steps run."""
+
+    kind: Literal["preempt"]
+
+
 class CorruptShmFault(_StepFault):
     """Flip bytes of this rank's newest sealed shared-memory slot (snapshot.shared_memory),
     after its verdict was written: memory gone bad under a snapshot a restart would trust."""
@@ -169,6 +177,7 @@ Fault = Annotated[
     | CrashFault
     | HangFault
     | ExitFault
+    | PreemptFault
     | CorruptShmFault
     | StorageErrorFault
     | SlowStorageFault

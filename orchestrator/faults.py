@@ -24,6 +24,7 @@ import torch
 
 from orchestrator.diagnose import install_nan_module
 from orchestrator.journal import Journal, read_journal
+from orchestrator.protocol import ENV_SUPERVISOR_PID
 from orchestrator.store import step_dir
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ from orchestrator.fault_kinds import (
     NanGradFault,
     NanModuleFault,
     PoisonSampleFault,
+    PreemptFault,
     SlowRankFault,
     SlowStorageFault,
     StorageErrorFault,
@@ -89,7 +91,15 @@ class FaultInjector:
             for e in read_journal(run_dir)
             if e.get("kind") == "fault" and e.get("rank") == rank
         }
-        once = (NanGradFault, InfLossFault, CrashFault, HangFault, ExitFault, CorruptShmFault)
+        once = (
+            NanGradFault,
+            InfLossFault,
+            CrashFault,
+            HangFault,
+            ExitFault,
+            PreemptFault,
+            CorruptShmFault,
+        )
         self._pending: list[Fault] = [
             f
             for f in faults
@@ -207,7 +217,8 @@ class FaultInjector:
         """``crash``: die the way an OOM kill or a segfault does (SIGKILL, no cleanup; with
         ``after_persist``, once ``settle()`` returned: the durable writes in flight are done).
         ``exit``: exit at once with the fault's code. ``hang``: block forever inside the
-        step, as a rank stuck in a dead collective does."""
+        step, as a rank stuck in a dead collective does. ``preempt``: SIGTERM to the
+        supervisor (or to this process without one)."""
         crash = next(
             (f for f in self._pending if isinstance(f, CrashFault) and f.step == step), None
         )
@@ -219,6 +230,9 @@ class FaultInjector:
         for f in list(self._pending):
             if isinstance(f, ExitFault) and f.step == step and self._take(ExitFault, step):
                 os._exit(f.code)
+        if self._take(PreemptFault, step):
+            supervisor = os.environ.get(ENV_SUPERVISOR_PID)
+            os.kill(int(supervisor) if supervisor else os.getpid(), signal.SIGTERM)
         if self._take(HangFault, step):
             while True:
                 time.sleep(3600)

@@ -26,7 +26,7 @@ size and sha256 must match before any byte goes to a deserializer, DCP's ``.meta
 unpickled with an allow-list of DCP's own classes, tensors are read by DCP with
 ``weights_only`` loads, an engine's own files with ``weights_only`` and a few allowed
 classes (:mod:`orchestrator.engines.native`), plain values are JSON, and every floating
-tensor must be finite.
+tensor that was finite when written must be finite.
 
 A checksum tells corruption, not tampering: whoever can rewrite a file can rewrite the
 manifest too. With a signing key (``persist.signing_key_file`` or
@@ -297,6 +297,13 @@ class DurableStore:
             "keys": keys,
             "skeleton": skeleton,
             "tensors": {p: [list(t.shape), str(t.dtype)] for p, t in tensors.items()},
+            # What held non-finite values when written (a causal mask's -inf is legitimate):
+            # anything else must read back finite.
+            "nonfinite": sorted(
+                p
+                for p, t in tensors.items()
+                if t.is_floating_point() and not bool(torch.isfinite(t).all())
+            ),
             "files": files,
         }
         self._write_json(self.path(d, f"rank_{rank}.json"), doc)
@@ -523,8 +530,11 @@ class DurableStore:
                 tensors_of(tree[key], key, template)
             else:
                 tree[key] = decode(enc, template)
+        allowed = set(doc.get("nonfinite", []))  # parts written before the list: none
         for path, t in template.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            if path in allowed or not t.is_floating_point():
+                continue
+            if not bool(torch.isfinite(t).all()):
                 raise PersistError(
                     f"snapshot {step}: tensor {path} of rank {rank} holds non-finite values"
                 )

@@ -135,3 +135,31 @@ def test_fsdp1_transient_nan_rolls_back_bit_for_bit(tmp_path: Path) -> None:
     assert states[0]["model"]["_fsdp_wrapped_module._flat_param"].dim() == 1  # local shards
     for a, b in zip(final_states(clean1), states, strict=True):
         assert_bitwise_equal(a, b, "final shards")
+
+
+def test_fsdp1_isolation_reruns_then_a_rollback_and_a_resume_bit_for_bit(tmp_path: Path) -> None:
+    """FSDP1 with bf16 mixed precision and the default quarantine (isolation re-runs, judged
+    by their loss alone: forwards with no backward), then a crash: the rollback must leave
+    no post-backward hook of those forwards behind (the next gradient would land unsharded,
+    in bf16, and the optimizer step fail), and the durable snapshot, which holds the model's
+    causal mask (-inf, a legitimate non-finite buffer), must be resumed from. Bit for bit
+    with a clean run. (The drill found both.)"""
+    steps = ["--fsdp1", "--steps", "40"]
+    exact = {"adjust": {"lr_factor": 1.0}, "snapshot": {"every_steps": 5},
+             "persist": {"every_steps": 10}}  # fmt: skip
+    clean1 = tmp_path / "clean"
+    r = train(clean1, 2, *steps, policy=exact)
+    assert r.returncode == 0, r.stdout[-3000:]
+    d = tmp_path / "run"
+    faults = [{"kind": "inf_loss", "step": 23, "rank": 1},
+              {"kind": "crash", "step": 33, "rank": 0, "after_persist": True}]  # fmt: skip
+    policy = {**exact, "faults": faults}
+    assert train(d, 2, *steps, policy=policy).returncode != 0
+    (inc,) = kinds(d, "incident")
+    assert inc["step"] == 23 and kinds(d, "rollback")[0]["details"]["to_step"] == 20
+    r = train(d, 2, *steps, policy=policy)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert not kinds(d, "snapshot_invalid")
+    assert kinds(d, "resume")[0]["details"]["snapshot_step"] == 30
+    for a, b in zip(final_states(clean1), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final shards")

@@ -361,3 +361,17 @@ def test_the_scripts_own_signal_handler_still_runs(tmp_path: Path) -> None:
     assert marker.read_text() == "SIGTERM\n"
     (pre,) = kinds(d, "preempted")
     assert pre["step"] == 6 and pre["details"]["persisted"] is True
+
+
+def test_a_finished_run_whose_process_then_fails_is_not_restarted(tmp_path: Path) -> None:
+    """The workers journaled a finished end, then the process exited non-zero (a teardown
+    that crashed, a stop request that came as it finished): the job is done, exit 0, no
+    restart to find nothing left to train."""
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY.format(tests=str(REPO / "tests")) + "sys.exit(3)\n")
+    d = tmp_path / "run"
+    r = run(launch_cmd(d, {"supervisor": FAST}, sys.executable, str(script)), timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:]
+    (end,) = kinds(d, "attempt_end")
+    assert (end["details"]["returncode"], end["details"]["outcome"]) == (3, "ok")
+    assert not kinds(d, "restart")

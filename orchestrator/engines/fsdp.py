@@ -250,19 +250,42 @@ class FSDP1Engine(TorchEngine):
         self._restore_rest(snap, loss_scale_factor)
 
     def _drop_gathered(self) -> None:
-        """Free every gathered (unsharded) parameter, so the next forward gathers the
-        restored shards. FSDP1 keeps the root's gathered parameters after a forward, for the
-        backward it expects; after a re-run judged by its loss alone (no backward) the next
-        forward would reuse them, the weights of before the rollback."""
+        """Undo what forwards without a backward left behind (the isolation re-runs, judged
+        by their loss alone), as FSDP1's end-of-backward callback would have:
+
+        - every gathered (unsharded) parameter is freed, so the next forward gathers the
+          restored shards: FSDP1 keeps the root's gathered parameters after a forward, for
+          the backward it expects, and the next forward would reuse them, the weights of
+          before the rollback;
+        - the post-backward hook each such forward registered is removed: left there, the
+          next forward does not register its own, its gradient lands unsharded and in the
+          low precision (no reduce-scatter), and the optimizer step fails on it;
+        - the per-iteration flags are reset."""
         from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp._common_utils import TrainingState
+        from torch.distributed.fsdp._flat_param import HandleTrainingState
         from torch.distributed.fsdp._runtime_utils import _reshard  # no public equivalent
 
         for module in FullyShardedDataParallel.fsdp_modules(self.model):
             handle = module._handle
             # Before FSDP's lazy init (a resume) nothing was ever gathered.
-            if handle is not None and hasattr(handle.flat_param, "_local_shard"):
-                if not handle.needs_unshard():  # its gathered copy is still allocated
-                    _reshard(module, handle, free_unsharded_flat_param=True)
+            if handle is None or not hasattr(handle.flat_param, "_local_shard"):
+                continue
+            if not handle.needs_unshard():  # its gathered copy is still allocated
+                _reshard(module, handle, free_unsharded_flat_param=True)
+            flat_param = handle.flat_param
+            if hasattr(flat_param, "_post_backward_hook_state"):
+                flat_param._post_backward_hook_state[-1].remove()
+                delattr(flat_param, "_post_backward_hook_state")
+            handle._ran_pre_backward_hook = False  # type: ignore[attr-defined]
+            handle._needs_pre_backward_unshard = False
+            handle._post_forward_index = None
+            handle._training_state = HandleTrainingState.IDLE
+            handle._prefetched = False
+            module.training_state = TrainingState.IDLE
+            if module._is_root:
+                module._post_backward_callback_queued = False  # type: ignore[assignment]
+                module._exec_order_data.next_iter()
 
     def estimate_state_bytes(self) -> int:
         model = sum(t.numel() * t.element_size() for t in self._model_state().values())
