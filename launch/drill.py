@@ -336,9 +336,14 @@ def _recovery(run_dir: Path) -> tuple[float | None, int | None]:
     journal and metrics; (None, None) for a fault that interrupted nothing."""
     events = list(read_journal(str(run_dir)))
     faults = [e for e in events if e["kind"] == "fault"]
-    if not faults:
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    if faults:
+        at, step = float(faults[-1]["time"]), int(faults[-1]["step"])
+    elif recovered:  # a fault that journals no event of its own (a poison sample)
+        inc = recovered[0]["details"]["incident"]
+        at, step = float(inc["started_at"]), int(inc["step"])
+    else:
         return None, None
-    at, step = float(faults[-1]["time"]), int(faults[-1]["step"])
     back = [e for e in events if e["time"] > at and e["kind"] in ("rollback", "resume")]
     if not back:
         return None, None
