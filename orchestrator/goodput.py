@@ -150,8 +150,7 @@ def _sessions(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[
 def _ended(events: list[dict[str, Any]], att: _Attempt) -> bool:
     """Whether a supervisor exited after ``att`` (so the next attempt_start is a new job)."""
     return any(
-        e["kind"] == "supervisor_exit" and int(e.get("attempt", -1)) == att.number
-        for e in events
+        e["kind"] == "supervisor_exit" and int(e.get("attempt", -1)) == att.number for e in events
     )
 
 
@@ -228,7 +227,9 @@ def _overheads(att: _Attempt, start: float, end: float) -> dict[str, float]:
     if idle:
         base = statistics.median(idle)
         out["persist"] += sum(
-            max(0.0, float(r["step_s"]) - base) for r in rows if r.get("step_s") and r.get("writing")
+            max(0.0, float(r["step_s"]) - base)
+            for r in rows
+            if r.get("step_s") and r.get("writing")
         )
     return dict(out)
 

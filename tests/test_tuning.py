@@ -66,9 +66,10 @@ def test_the_chosen_interval_is_the_young_daly_optimum(
     best = max(sim[t] for t in grid)
     assert sim[got] >= best - 0.002, (sim, got)
     # And the model's own curve has its minimum there.
-    assert overhead(got, cost_s, mtbf, restart) <= min(
-        overhead(t, cost_s, mtbf, restart) for t in grid
-    ) * 1.01
+    assert (
+        overhead(got, cost_s, mtbf, restart)
+        <= min(overhead(t, cost_s, mtbf, restart) for t in grid) * 1.01
+    )
 
 
 def test_the_prior_rules_until_there_is_history_and_bounds_hold() -> None:
