@@ -79,6 +79,7 @@ class Fault:
     policy: dict[str, Any] = field(default_factory=dict)
     again: bool = False
     reference: str = "clean"  # which clean run it is compared with
+    tier: str | None = None  # the tier the restart must resume from (else the cell fails)
 
 
 def _poison_id(world: int, step: int = 17) -> int:
@@ -110,7 +111,7 @@ FAULTS = (
     Fault("bad_shm", "newest shared-memory slot corrupted, then a crash at 27",
           lambda w: [{"kind": "corrupt_shm", "step": 26, "rank": 0},
                      {"kind": "crash", "step": 27, "rank": w - 1}],
-          policy={"snapshot": {"shared_memory": True}}),
+          policy={"snapshot": {"shared_memory": True}}, tier="shm"),
     Fault("unhealthy", "rank 0's collectives carry a wrong value (pre-flight)",
           lambda w: [{"kind": "corrupt_allreduce", "rank": 0}], expect=EXIT_UNHEALTHY,
           bitwise=False, policy={"health": {"preflight": True, "timeout_s": 20}}),
@@ -271,7 +272,13 @@ class Drill:
             c.bitwise = "yes" if same else "NO"
         c.recovery_s, c.steps_lost = _recovery(run_dir)
         c.data_lost = _audit(run_dir, url)
-        c.passed = survived and c.bitwise != "NO" and not c.data_lost
+        tiers = [
+            e["details"].get("tier") for e in read_journal(str(run_dir)) if e["kind"] == "resume"
+        ]
+        wrong_tier = fault.tier is not None and tiers[:1] != [fault.tier]
+        if survived and wrong_tier:  # it survived, but not the way the fault promises
+            c.outcome = f"FAILED: resumed from {tiers[:1] or 'nothing'}, not {fault.tier}"
+        c.passed = survived and not wrong_tier and c.bitwise != "NO" and not c.data_lost
         return c
 
     # --- the matrix -----------------------------------------------------------------------

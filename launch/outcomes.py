@@ -59,6 +59,7 @@ class Attempt:
     best_step: int | None  # highest step any local rank reported in this attempt
     runtime_s: float
     stalled: dict[int, int] | None = None  # rank -> last step, when it hung
+    ended_at: float | None = None  # when its processes were gone (time.time())
 
 
 def classify(run_dir: str, rc: int, attempt: int) -> str:

@@ -2,9 +2,10 @@
 
 report.png: loss and grad norm against the step, the LR on a second axis, incidents as
 vertical lines coloured by classification, rolled-back steps shaded, restarts and durable
-snapshots marked (needs matplotlib: ``pip install -e '.[report]'``). report.md: the
-timeline (time, step, event, evidence, action), the totals, and the quarantine list with
-where each sample id came from. Both from the journal (every node's, merged by time) and
+snapshots marked, and the wall time split by the goodput ledger (needs matplotlib:
+``pip install -e '.[report]'``). report.md: the totals, the goodput split, the timeline
+(time, step, event, evidence, action), and the quarantine list with where each sample id
+came from. Both from the journal (every node's, merged by time) and
 RUN_DIR/metrics.jsonl only: the report works on a finished, crashed or running run alike.
 """
 
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.goodput import Ledger, ledger
 from orchestrator.journal import load_journal, per_attempt, quarantine_share
 from orchestrator.metrics import read_metrics
 
@@ -154,6 +156,7 @@ def totals(rec: RunRecord) -> dict[str, Any]:
         "wall_time_lost_s": round(
             incident_s + restart_s + (lost_steps * step_s if step_s else 0.0), 2
         ),
+        "goodput": ledger(rec.events, rec.metrics),
         "quarantined_samples": len(quarantined),
         "median_step_s": step_s,
     }
@@ -180,7 +183,8 @@ def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | No
         f"| rollbacks | {t['rollbacks']} |",
         f"| restarts | {t['restarts']} |",
         f"| steps lost to rollback | {t['steps_lost_to_rollback']} |",
-        f"| wall time lost | {t['wall_time_lost_s']} s (incidents, restarts, replayed steps) |",
+        f"| goodput | {_share(t['goodput'].goodput)} of {t['goodput'].wall_s:.1f} s of wall time "
+        "(see Goodput) |",
         f"| quarantined samples | {t['quarantined_samples']}"
         + (
             f" ({t['quarantined_fraction']:.2%} of {t['samples_seen']} distinct samples seen)"
@@ -195,6 +199,7 @@ def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | No
     if gaps:  # rows lost when a process died with them buffered: the plot breaks there
         spans = ", ".join(f"{a + 1}-{b - 1}" for a, b in gaps)
         out += [f"| steps without metrics | {spans} (lost in a crash; not drawn) |"]
+    out += ["", "## Goodput", "", *goodput_table(t["goodput"])]
     out += [
         "",
         "## Timeline",
@@ -215,6 +220,22 @@ def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | No
             for i in q["details"]["samples"]:
                 out.append(f"| {i} | {q['step']} | {why} | {q['details'].get('ledger', '')} |")
     return "\n".join(out) + "\n"
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def goodput_table(led: Ledger) -> list[str]:
+    """The ledger's split of the wall time (orchestrator/goodput.py), largest first."""
+    if led.wall_s <= 0:
+        return ["No attempt has run yet."]
+    rows = ["| where the time went | seconds | share |", "|---|---|---|"]
+    for kind, seconds in sorted(led.parts.items(), key=lambda kv: -kv[1]):
+        if seconds > 0 or kind == "productive":
+            rows.append(f"| {kind} | {seconds:.2f} | {seconds / led.wall_s:.1%} |")
+    rows.append(f"| **wall** | {led.wall_s:.2f} | goodput {_share(led.goodput)} |")
+    return rows
 
 
 def metric_gaps(steps: list[int]) -> list[tuple[int, int]]:
@@ -241,7 +262,11 @@ def plot(rec: RunRecord, path: str) -> None:
     for a, _ in gaps:  # a NaN point in each gap breaks the lines: nothing drawn through it
         final[a + 0.5] = {}
     steps = sorted(final)
-    fig, (ax_loss, ax_gn) = plt.subplots(2, 1, figsize=(11, 7), sharex=True)
+    fig = plt.figure(figsize=(11, 8))
+    grid = fig.add_gridspec(3, 1, height_ratios=[3, 2, 0.7])
+    ax_loss = fig.add_subplot(grid[0])
+    ax_gn = fig.add_subplot(grid[1], sharex=ax_loss)
+    _goodput_bar(fig.add_subplot(grid[2]), ledger(rec.events, rec.metrics))
     loss = [final[s].get("loss", math.nan) for s in steps]
     ax_loss.plot(steps, loss, lw=1, color="tab:blue", label="loss")
     finite = [v for v in loss if v is not None and v > 0]
@@ -292,6 +317,34 @@ def plot(rec: RunRecord, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+GOODPUT_COLOURS = {
+    "productive": "tab:green",
+    "startup": "tab:gray",
+    "restart": "tab:orange",
+    "hang": "tab:red",
+    "preemption": "tab:purple",
+    "lost": "tab:brown",
+    "replayed": "tab:pink",
+    "incident": "gold",
+    "snapshot": "tab:blue",
+    "check": "tab:cyan",
+    "persist": "tab:olive",
+}
+
+
+def _goodput_bar(ax: Any, led: Ledger) -> None:
+    """One bar: the wall time, split by the ledger's kinds."""
+    left = 0.0
+    for kind, seconds in led.parts.items():
+        if seconds <= 0:
+            continue
+        ax.barh([0], [seconds], left=left, color=GOODPUT_COLOURS[kind], label=kind)
+        left += seconds
+    ax.set_yticks([])
+    ax.set_xlabel(f"wall time (s): goodput {_share(led.goodput)}")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.9), ncol=6, fontsize=8, frameon=False)
 
 
 def write_report(run_dir: str, out_dir: str | None = None) -> tuple[str, str | None]:

@@ -8,8 +8,10 @@ from collections import Counter
 from typing import Any
 
 from launch.nodes import supervisors
+from orchestrator.goodput import ledger
 from orchestrator.heartbeat import progress_time, read_heartbeats
 from orchestrator.journal import per_attempt, quarantine_share, read_journal
+from orchestrator.metrics import read_metrics
 from orchestrator.policy import load_policy
 from orchestrator.protocol import POLICY_NAME
 from orchestrator.store import DurableStore, default_url
@@ -41,6 +43,17 @@ def render(run_dir: str) -> str:
         f"(data {causes['data']}, unexplained {causes['unexplained']})   "
         f"rollbacks {kinds['rollback']}   quarantined {quarantined}"
     )
+    led = ledger(events, read_metrics(run_dir))
+    if led.wall_s > 0:
+        lost = sorted(
+            ((k, v) for k, v in led.parts.items() if k != "productive" and v >= 0.05),
+            key=lambda kv: -kv[1],
+        )
+        lines.append(
+            f"  goodput {led.goodput:.1%}: productive {led.parts['productive']:.0f} s of "
+            f"{led.wall_s:.0f} s" + (
+                "; " + ", ".join(f"{k} {v:.1f} s" for k, v in lost[:5]) if lost else "")
+        )  # fmt: skip
     if exit_event:
         d = exit_event["details"]
         lines.append(f"  supervisor exited {d['exit_code']}: {d['reason']}")

@@ -27,6 +27,8 @@ from typing import Any
 
 from tenacity import wait_exponential_jitter
 
+from launch.alerts import Alerter
+from launch.exporter import Exporter
 from launch.hangs import collect
 from launch.nodes import Ended, Peers, launcher_nodes
 from launch.outcomes import (
@@ -57,9 +59,11 @@ from orchestrator.protocol import (
     ENV_SUPERVISOR_PID,
     EVENT_ATTEMPT_END,
     EVENT_ATTEMPT_START,
+    EVENT_EXPORTER,
     EVENT_HANG,
     EVENT_NODE_LOST,
     EVENT_RESTART,
+    EVENT_STOP_REQUESTED,
     EVENT_SUPERVISOR_EXIT,
     EXIT_CANNOT_START,
     EXIT_CRASH_LOOP,
@@ -79,6 +83,13 @@ from orchestrator.stacks import STACK_SIGNAL
 
 logger = logging.getLogger(__name__)
 HANG_GRACE_S = 5.0  # after SIGTERM, what a hung attempt gets before SIGKILL
+ALERT_ON_EXIT = {  # the supervisor's exits that page someone (alerts.events)
+    EXIT_GAVE_UP: "gave_up",
+    EXIT_UNHEALTHY: "unhealthy",
+    EXIT_CRASH_LOOP: "crash_loop",
+    EXIT_NODE_LOST: "node_lost",
+    EXIT_RESTARTS_EXHAUSTED: "restarts_exhausted",
+}
 
 
 class Supervisor:
@@ -111,6 +122,9 @@ class Supervisor:
         self.replica: Replicator | None = None
         self._cannot_start: str | None = None  # why the command could not start at all
         self._announced = 0  # signals said to the person watching (outside the handler)
+        self._signal_times: list[float] = []  # when each came (appended by the handler)
+        self.alerter = Alerter(policy.alerts, self.run_dir, self.node)
+        self.exporter: Exporter | None = None  # export.prometheus_port
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> int:
@@ -139,12 +153,33 @@ class Supervisor:
             if code != EXIT_OK and os.path.isdir(self.shm_dir):
                 self._flush()
             shutil.rmtree(self.shm_dir, ignore_errors=True)
+            self.alerter.wait()
+            if self.exporter is not None:
+                self.exporter.close()
             for s, h in old.items():
                 signal.signal(s, h)
 
     def _loop(self) -> tuple[int, str]:
         attempt = next_attempt_number(self.run_dir, self.node)
         self.journal = journal = Journal(self.run_dir, SUPERVISOR_RANK, attempt)
+        export = self.policy.export
+        if export.prometheus_port is not None:
+            try:
+                self.exporter = Exporter(
+                    self.run_dir, self.node, export.prometheus_port, export.prometheus_addr
+                )
+            except (RuntimeError, OSError) as err:  # not installed, port taken: say, go on
+                self._say(f"no Prometheus endpoint: {err}")
+                journal.write(EVENT_EXPORTER, -1, {"error": str(err), "node": self.node})
+            else:
+                address = f"{socket.gethostname()}:{self.exporter.port}"
+                self.peers.publish(prometheus=address)
+                journal.write(
+                    EVENT_EXPORTER,
+                    -1,
+                    {"port": self.exporter.port, "addr": export.prometheus_addr,
+                     "address": address, "node": self.node},
+                )  # fmt: skip
         restarts = unhealthy = 0
         best, stalled_attempts = history(self.run_dir, self.node)
         try:
@@ -181,6 +216,10 @@ class Supervisor:
                         "outcome": a.outcome,
                         "best_step": a.best_step,
                         "stalled": a.stalled,
+                        # When this node's ranks last moved (the goodput ledger's end of
+                        # useful work for an attempt killed before its metrics were written).
+                        "progress_time": self._progress_time(attempt),
+                        "ended_at": a.ended_at,
                         "host": self.host,
                         "node": self.node,
                     },
@@ -294,9 +333,11 @@ class Supervisor:
 
     def _stop(self, journal: Journal, code: int, why: str, best: int) -> tuple[int, str]:
         self._announce()
-        journal.write(
+        event = journal.write(
             EVENT_SUPERVISOR_EXIT, best, {"exit_code": code, "reason": why, "node": self.node}
         )
+        if code in ALERT_ON_EXIT:
+            self.alerter.alert(ALERT_ON_EXIT[code], event, journal, best)
         self._say(f"{why}; exit {code}")
         return code, why
 
@@ -362,15 +403,16 @@ class Supervisor:
             stalled = self._watch(proc, attempt, started)
             rc = proc.wait()
             self._sweep()
+            ended = time.time()  # before the reading below: the ledger's end of the attempt
             copier.join(timeout=5)
         self._proc = None
         self._term_sent_at = None
-        runtime = time.time() - started
+        runtime = ended - started
         journaled = last_journaled_step(self.run_dir, attempt)
         best = max((s for s in (self._max_step, journaled) if s is not None), default=None)
         if stalled is not None:
-            return Attempt(attempt, rc, HANG, best, runtime, stalled)
-        return Attempt(attempt, rc, classify(self.run_dir, rc, attempt), best, runtime)
+            return Attempt(attempt, rc, HANG, best, runtime, stalled, ended)
+        return Attempt(attempt, rc, classify(self.run_dir, rc, attempt), best, runtime, None, ended)
 
     def _watch(
         self, proc: subprocess.Popen[bytes], attempt: int, started: float
@@ -401,7 +443,7 @@ class Supervisor:
                 stacks, named = collect(
                     self.run_dir, attempt, self.node, beats, self._ask_stacks, every_rank
                 )
-                self.journal.write(
+                hang_event = self.journal.write(
                     EVENT_HANG,
                     max(stalled.values(), default=-1),
                     {
@@ -430,6 +472,7 @@ class Supervisor:
                     if stalled
                     else f"no rank wrote a heartbeat within {self.sup.start_timeout_s} s"
                 )
+                self.alerter.alert("hang", hang_event, self.journal, hang_event["step"])
                 self._say(f"hang: {what}; stopping (log: {self._log_path(attempt)})")
                 self._kill(signal.SIGTERM)
                 try:
@@ -480,6 +523,11 @@ class Supervisor:
             self._max_step = max(steps + ([self._max_step] if self._max_step is not None else []))
         return beats
 
+    def _progress_time(self, attempt: int) -> float | None:
+        """The latest progress of this node's ranks in ``attempt``, from their heartbeats."""
+        times = [progress_time(b) for b in self._beats(attempt) if b.get("phase") != "done"]
+        return max(times) if times else None
+
     def _stalled(self, beats: list[dict[str, Any]], started: float) -> dict[int, int] | None:
         """The ranks (and their last steps) with no progress for hang_timeout_s; {} when
         none wrote a beat within start_timeout_s; None when nothing is late."""
@@ -503,6 +551,7 @@ class Supervisor:
         loop says it (:meth:`_announce`)."""
         self._signals += 1
         self._last_signal = signum
+        self._signal_times.append(time.time())
         self._wake.set()
         if self._signals == 1 or signum == signal.SIGTERM:
             # Forward: the Guard turns it into a collective stop with a durable snapshot.
@@ -515,9 +564,21 @@ class Supervisor:
     _last_signal: int = signal.SIGTERM
 
     def _announce(self) -> None:
-        """Say, from the main loop, what the signal handler did since the last call."""
+        """Say, from the main loop, what the signal handler did since the last call (and
+        journal it: the goodput ledger counts a preemption from its signal)."""
         if self._announced >= self._signals:
             return
+        journal = getattr(self, "journal", None)
+        if journal is not None and self._announced == 0:
+            journal.write(
+                EVENT_STOP_REQUESTED,
+                self._max_step if self._max_step is not None else -1,
+                {
+                    "signal": signal.Signals(self._last_signal).name,
+                    "signal_time": self._signal_times[0],
+                    "node": self.node,
+                },
+            )
         if self._announced == 0 or self._last_signal == signal.SIGTERM:
             self._say(
                 f"got {signal.Signals(self._last_signal).name}: stopping the workers "

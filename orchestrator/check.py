@@ -5,6 +5,7 @@ same way on every rank: the global loss and grad norm, and why the step is bad, 
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -36,6 +37,8 @@ class Checked:
     reason: str | None  # nonfinite_loss | nonfinite_grads | spike_<metric>; None: healthy
     overflow: bool  # non-finite gradients that the loss scaler skips (not an incident)
     stop: bool  # some rank was asked to stop (SIGTERM/SIGINT)
+    writing: bool = False  # some rank's durable writer was busy (the goodput ledger's)
+    seconds: float = 0.0  # this rank's time in the check: pack, all-reduce, host sync
 
 
 class StepCheck:
@@ -58,10 +61,13 @@ class StepCheck:
         self, step: int, loss: torch.Tensor, grads: list[torch.Tensor], stop_requested: bool
     ) -> Checked:
         """Collective: every rank of the group calls it once per optimizer step."""
+        t0 = time.perf_counter()
         control = (float(stop_requested), *self.durable.control())
         packed = pack_local(loss, grads, self.check_grads, control)
         self.heartbeat.enter("check")  # a rank that never gets here is the one others wait for
         vals = self.comm.all_reduce_sum_(packed).tolist()  # the one host sync of the step
+        # On a GPU the host sync also waits for the step's queued kernels: an upper bound.
+        seconds = time.perf_counter() - t0
         self.durable.observe(vals, step)
         world = self.comm.world_size
         gloss = vals[LOSS] / world
@@ -79,7 +85,7 @@ class StepCheck:
         if self.check_grads and gnorm == 0.0 and reason is None and not self._zero_seen:
             self._zero_seen = True  # said once per run: zero gradients are a loop bug
             self._zero_gradients(step)
-        return Checked(gloss, gnorm, reason, overflow, vals[STOP] > 0)
+        return Checked(gloss, gnorm, reason, overflow, vals[STOP] > 0, self.durable.busy, seconds)
 
     def _zero_gradients(self, step: int) -> None:
         hint = (

@@ -75,6 +75,7 @@ class DurableTier:
                 faults=faults,
                 local=self.local,
             )
+        self.submitted = 0  # writes handed to the writer by on_sealed (the tuner counts them)
         self.requested = False  # persist the next sealed snapshot (rank 0's timer said so)
         self.busy = False  # some rank's writer was busy at the last all-reduce
         self.held: Snapshot | None = None  # handed to the writers, not yet released
@@ -135,6 +136,7 @@ class DurableTier:
         self.requested = False
         snap.held = snap.persisted = True
         self.held = snap
+        self.submitted += 1
         self.persister.submit(
             snap,
             self._part_keys(snap, writer=0),
@@ -276,6 +278,16 @@ class DurableTier:
                 continue
             assert tree is not None and manifest is not None
             return tree, manifest, self.store.url
+        if not rejected and self.refused:
+            # Slots were left in the node's shared memory (a crash of this job) and none
+            # could be used: starting from scratch would silently throw that work away.
+            raise PersistError(
+                f"the node's shared-memory ring holds snapshots of this run but none can be "
+                f"used ({len(self.refused)} refused; first: {self.refused[0]}) and there is no "
+                f"durable snapshot under {self.store.url}. To start over anyway use "
+                "`orchestrator launch --fresh` or persist.resume: false; to resume, start on "
+                "the same nodes at the same world size"
+            )
         if rejected:
             raise PersistError(
                 f"{len(rejected)} committed snapshot(s) under {self.store.url}, none valid "

@@ -1,6 +1,6 @@
 """The goodput ledger: a run's wall time split into productive training and each kind of
-loss, from its journal (every node's) and rank 0's metrics. Torch-free: the supervisor,
-``orchestrator status`` and ``report`` compute it.
+loss, from its journal (every node's) and rank 0's metrics. Torch-free: the supervisor
+(its Prometheus endpoint), ``orchestrator status`` and ``report`` compute it.
 
 The wall time is that of the supervisor's sessions (from a job's first attempt to its
 supervisor's exit; a requeued job adds its own session, the time it waited in the queue
@@ -9,8 +9,8 @@ interval is cut at its first completed step and at its last progress:
 
 - ``startup``: a job's start to its first completed step (process start, initialization,
   the pre-flight checks, a resume), and its last step to its exit (the final snapshot).
-- ``restart``: a failed attempt's end of progress to the next attempt's first completed
-  step (teardown, backoff, process start, resume).
+- ``restart``: a failed attempt's last progress to the next attempt's first completed step
+  (teardown, backoff, process start, resume).
 - ``hang``: a hung attempt's last progress to its end (the hang timeout, the stacks, the
   kill).
 - ``preemption``: a stop request (its signal) to the end of the attempt it stopped.
@@ -24,20 +24,27 @@ interval is cut at its first completed step and at its last progress:
 - ``check``: the finite check (its all-reduce and host sync) of every step.
 - ``persist``: steps slower while a durable write is in flight than the attempt's median
   step without one (the background writer's interference).
-- ``productive``: the rest, training steps kept in the final state.
+- ``productive``: the rest: training steps kept in the final state.
 
-The parts add up to the wall time; goodput is productive / wall. Work inside ``lost`` and
-``replayed`` spans is counted once: the stalls and checks in them are counted as what they
-are, the rest of the span as lost.
+The parts add up to the wall time; goodput is productive / wall. The stalls and checks
+inside a ``lost`` or ``replayed`` span count as what they are, the rest of the span as lost.
+Rows are kept compact (a few arrays per attempt), so a long run's ledger stays cheap.
 """
 
 from __future__ import annotations
 
+import bisect
+import json
+import math
+import os
 import statistics
-from collections import defaultdict
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from orchestrator.journal import journal_files
+from orchestrator.protocol import METRICS_NAME
 
 KINDS = (
     "productive",
@@ -52,13 +59,20 @@ KINDS = (
     "check",
     "persist",
 )
-_FAILED = ("crash", "hang", "unhealthy", "preempted", "gave_up")
 
 
 @dataclass
 class Ledger:
     wall_s: float = 0.0
     parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    # (kind, attempt) -> seconds: where each part was spent (a restart, a lost span and a
+    # hang belong to the attempt they ended or wasted)
+    by_attempt: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    def add(self, kind: str, attempt: int, seconds: float) -> None:
+        self.parts[kind] += seconds
+        key = (kind, attempt)
+        self.by_attempt[key] = self.by_attempt.get(key, 0.0) + seconds
 
     @property
     def goodput(self) -> float | None:
@@ -72,31 +86,122 @@ class Ledger:
         }
 
 
+class Rows:
+    """One attempt's metrics rows, as arrays in time order."""
+
+    def __init__(self) -> None:
+        self.times = array("d")
+        self.steps = array("q")
+        self.step_s = array("d")  # nan: not known (the first row after a restart)
+        self.check = array("d")
+        self.writing = array("b")
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.times.append(float(row["time"]))
+        self.steps.append(int(row["step"]))
+        self.step_s.append(float(row["step_s"]) if row.get("step_s") is not None else math.nan)
+        self.check.append(float(row.get("check_s") or 0.0))
+        self.writing.append(1 if row.get("writing") else 0)
+
+    def __len__(self) -> int:
+        return len(self.times)
+
+    def span(self, t0: float, t1: float) -> range:
+        return range(bisect.bisect_left(self.times, t0), bisect.bisect_right(self.times, t1))
+
+    def window(self, t0: float, t1: float) -> Rows:
+        """The rows within [t0, t1] (a copy)."""
+        r, out = self.span(t0, t1), Rows()
+        for name in ("times", "steps", "step_s", "check", "writing"):
+            getattr(out, name).extend(getattr(self, name)[r.start : r.stop])
+        return out
+
+
 @dataclass
 class _Attempt:
     number: int
     start: float
     end: float
     outcome: str | None = None
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: Rows = field(default_factory=Rows)
     events: list[dict[str, Any]] = field(default_factory=list)  # the ranks' (rank >= 0)
     stop_at: float | None = None  # a stop request's signal
+    progress: float | None = None  # the ranks' last progress, as the supervisor saw it
+    _base: float | None = None  # median step time without a durable write in flight
+
+    def base(self) -> float:
+        if self._base is None:
+            rows = self.rows
+            idle = [s for s, w in zip(rows.step_s, rows.writing, strict=True) if w == 0 and s == s]
+            self._base = statistics.median(idle) if idle else math.inf
+        return self._base
 
 
-def ledger(events: Iterable[dict[str, Any]], rows: Iterable[dict[str, Any]]) -> Ledger:
-    """The goodput ledger of a run directory's journal ``events`` (merged by time) and its
-    metrics ``rows`` (``orchestrator.metrics.read_metrics``)."""
+def ledger(
+    events: Iterable[dict[str, Any]], rows: Iterable[dict[str, Any]], now: float | None = None
+) -> Ledger:
+    """The goodput ledger of a run directory's journal ``events`` and its metrics ``rows``
+    (``orchestrator.metrics.read_metrics``); ``now``: see :func:`ledger_of`."""
+    by_attempt: dict[int, Rows] = {}
+    for row in sorted(rows, key=lambda r: float(r["time"])):
+        by_attempt.setdefault(int(row.get("attempt", 0)), Rows()).add(row)
+    return ledger_of(events, by_attempt, now)
+
+
+def ledger_of(
+    events: Iterable[dict[str, Any]], rows: dict[int, Rows], now: float | None = None
+) -> Ledger:
+    """:func:`ledger`, the metrics rows already kept per attempt number (in time order),
+    as a process that follows a run keeps them (launch/exporter.py). ``now``: the run is
+    live, its attempt still running counts until then."""
     events = sorted(events, key=lambda e: float(e["time"]))
+    sessions = _sessions(events)
+    flat = [att for session in sessions for att in session]
+    for att in flat:
+        if att.number in rows:
+            last = rows[att.number].times[-1:] if att.outcome is None else []
+            att.end = max([att.end, *last, *([now] if now and att.outcome is None else [])])
+            att.rows = rows[att.number].window(att.start - 1.0, att.end + 1.0)
+        elif now is not None and att.outcome is None:
+            att.end = max(att.end, now)
     out = Ledger()
-    for session in _sessions(events, list(rows)):
-        _account(session, out)
+    for session in sessions:
+        out.wall_s += session[-1].end - session[0].start
+        for i, att in enumerate(session):
+            k = flat.index(att)
+            _account(
+                att,
+                first_of_job=i == 0,
+                prev_end=session[i - 1].end if i > 0 else None,
+                nxt=flat[k + 1] if k + 1 < len(flat) else None,  # a requeued job's too
+                out=out,
+            )
     return out
 
 
-def _sessions(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[list[_Attempt]]:
+def run_ledger(run_dir: str) -> Ledger:
+    """The ledger of a run directory, its files read once."""
+    from orchestrator.journal import read_journal
+
+    return ledger(read_journal(run_dir), _read_rows(os.path.join(run_dir, METRICS_NAME)))
+
+
+def _read_rows(path: str) -> Iterable[dict[str, Any]]:
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn last line
+
+
+def _sessions(events: list[dict[str, Any]]) -> list[list[_Attempt]]:
     """The run's sessions, each a list of attempts in order: a supervisor's (from its
     attempt_start and attempt_end events, the earliest start and latest end over nodes),
     or a run's without one (run_start to its last event)."""
+    exited = {int(e.get("attempt", -1)) for e in events if e["kind"] == "supervisor_exit"}
     by_attempt: dict[int, _Attempt] = {}
     sessions: list[list[_Attempt]] = []
     current: list[_Attempt] = []
@@ -104,54 +209,46 @@ def _sessions(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[
     for e in events:
         a, t, kind = int(e.get("attempt", 0)), float(e["time"]), e["kind"]
         if supervised:
+            att = by_attempt.get(a)
             if kind == "attempt_start":
-                att = by_attempt.get(a)
                 if att is None or att not in current:
-                    if current and current[-1].end < t and _ended(events, current[-1]):
-                        sessions.append(current)
+                    if current and current[-1].number in exited and current[-1].end < t:
+                        sessions.append(current)  # a new job on the same run directory
                         current = []
                     att = by_attempt[a] = _Attempt(a, t, t)
                     current.append(att)
                 att.start = min(att.start, t)
-            elif kind == "attempt_end" and a in by_attempt:
-                att = by_attempt[a]
-                att.end = max(att.end, t)
+            elif att is None:
+                continue
+            elif kind == "attempt_end":
+                # When its processes were gone (the event comes after the supervisor's
+                # bookkeeping), on any node.
+                att.end = max(att.end, float(e["details"].get("ended_at") or t))
                 att.outcome = att.outcome or e["details"].get("outcome")
-            elif kind == "stop_requested" and a in by_attempt:
+                seen = e["details"].get("progress_time")
+                if seen is not None:
+                    att.progress = max(att.progress or 0.0, float(seen))
+            elif kind == "stop_requested":
                 at = float(e["details"].get("signal_time", t))
-                cur = by_attempt[a].stop_at
-                by_attempt[a].stop_at = at if cur is None else min(cur, at)
-            elif int(e.get("rank", -1)) >= 0 and a in by_attempt:
-                by_attempt[a].events.append(e)
+                att.stop_at = at if att.stop_at is None else min(att.stop_at, at)
+            elif int(e.get("rank", -1)) >= 0:
+                att.events.append(e)
         else:
             if kind == "run_start" and int(e.get("rank", 0)) == 0:
                 if current:
                     sessions.append(current)
                 current = [_Attempt(a, t, t)]
-                by_attempt[a] = current[0]
             elif current and int(e.get("rank", -1)) >= 0:
-                current[-1].events.append(e)
-                current[-1].end = max(current[-1].end, t)
+                att = current[-1]
+                att.events.append(e)
+                att.end = max(att.end, t)
                 if kind == "preempting":
-                    current[-1].outcome = "preempted"
+                    att.outcome = "preempted"
+                elif kind == "run_end" and att.outcome is None:
+                    att.outcome = "ok" if e["details"].get("status") == "finished" else "stopped"
     if current:
         sessions.append(current)
-    for r in rows:
-        att = by_attempt.get(int(r.get("attempt", 0)))
-        if att is not None and att.start <= float(r["time"]) <= att.end + 1.0:
-            att.rows.append(r)
-            att.end = max(att.end, float(r["time"])) if not supervised else att.end
-    for s in sessions:
-        for att in s:
-            att.rows.sort(key=lambda r: float(r["time"]))
     return sessions
-
-
-def _ended(events: list[dict[str, Any]], att: _Attempt) -> bool:
-    """Whether a supervisor exited after ``att`` (so the next attempt_start is a new job)."""
-    return any(
-        e["kind"] == "supervisor_exit" and int(e.get("attempt", -1)) == att.number for e in events
-    )
 
 
 def _anchor(att: _Attempt, step: int) -> float | None:
@@ -160,57 +257,70 @@ def _anchor(att: _Attempt, step: int) -> float | None:
     caps = [float(e["time"]) for e in att.events if e["kind"] == "snapshot" and e["step"] == step]
     if caps:
         return min(caps)
-    done = [float(r["time"]) for r in att.rows if int(r["step"]) == step - 1]
+    done = [t for t, s in zip(att.rows.times, att.rows.steps, strict=True) if s == step - 1]
     return min(done) if done else None
 
 
-def _account(session: list[_Attempt], out: Ledger) -> None:
-    p = out.parts
-    out.wall_s += session[-1].end - session[0].start
-    prev_end: float | None = None
-    for i, att in enumerate(session):
-        nxt = session[i + 1] if i + 1 < len(session) else None
-        first = float(att.rows[0]["time"]) if att.rows else None
-        progress = max(
-            [float(r["time"]) for r in att.rows]
-            + [float(e["time"]) for e in att.events if e["kind"] not in ("run_end",)],
-            default=att.start,
-        )
-        if att.stop_at is not None:
-            progress = min(progress, max(att.stop_at, first or att.start))
-        progress = min(max(progress, first or att.start), att.end)
-        head = (first if first is not None else progress) - att.start
-        if i == 0:
-            p["startup"] += head
-        else:
-            p["restart"] += head + (att.start - prev_end if prev_end is not None else 0.0)
-        prev_end = att.end
-        tail = att.end - progress
-        if att.stop_at is not None:
-            p["preemption"] += tail
-        elif att.outcome == "hang":
-            p["hang"] += tail
-        elif att.outcome in _FAILED or (nxt is not None and att.outcome != "ok"):
-            p["restart"] += tail
-        else:
-            p["startup"] += tail  # the final snapshot and the exit
-        if first is None:
-            continue
-        train = progress - first
-        overhead = _overheads(att, first, progress)
-        for kind, seconds in overhead.items():
-            p[kind] += seconds
-        wasted = _wasted(att, nxt, first, progress)
-        for kind, (span, inner) in wasted.items():
-            p[kind] += max(0.0, span - inner)
-        used = sum(overhead.values()) + sum(max(0.0, s - i) for s, i in wasted.values())
-        p["productive"] += max(0.0, train - used)
+def _account(
+    att: _Attempt, first_of_job: bool, prev_end: float | None, nxt: _Attempt | None, out: Ledger
+) -> None:
+    a = att.number
+    # The first completed step: its row, or the event the Guard journals right after it (a
+    # process killed within metrics.flush_s of it lost its rows).
+    firsts = list(att.rows.times[:1])
+    firsts += [float(e["time"]) for e in att.events if e["kind"] == "first_step"]
+    first = min(firsts) if firsts else None
+    progress = max(
+        list(att.rows.times[-1:])
+        + [float(e["time"]) for e in att.events if _progress(e["kind"])]
+        + ([att.progress] if att.progress is not None else []),
+        default=att.start,
+    )
+    stop_at = att.stop_at
+    if stop_at is None:  # a stop request without the supervisor's word: the Guard's
+        stops = [float(e["time"]) for e in att.events if e["kind"] == "preempting"]
+        stop_at = min(stops) if stops else None
+    if stop_at is not None:
+        progress = min(progress, max(stop_at, first or att.start))
+    progress = min(max(progress, first or att.start), att.end)
+    head = (first if first is not None else progress) - att.start
+    if first_of_job:
+        out.add("startup", a, head)
+    else:
+        out.add("restart", a, head + (att.start - prev_end if prev_end is not None else 0.0))
+    tail = att.end - progress
+    if stop_at is not None:
+        out.add("preemption", a, tail)
+    elif att.outcome == "hang":
+        out.add("hang", a, tail)
+    elif att.outcome in ("ok", "stopped"):
+        out.add("startup", a, tail)  # the final snapshot and the exit
+    else:
+        out.add("restart", a, tail)  # a crash: its teardown
+    if first is None:
+        return
+    overhead = _overheads(att, first, progress)
+    wasted = _wasted(att, nxt, first, progress)
+    for kind, seconds in overhead.items():
+        out.add(kind, a, seconds)
+    for kind, (span, inner) in wasted.items():
+        out.add(kind, a, max(0.0, span - inner))
+    used = sum(overhead.values()) + sum(max(0.0, s - i) for s, i in wasted.values())
+    out.add("productive", a, max(0.0, progress - first - used))
+
+
+def _progress(kind: str) -> bool:
+    """Whether an event says the training loop moved: not the background writer's (a write
+    may commit after its rank's peer crashed), nor the end's."""
+    if kind.startswith(("persist", "ledger_")):
+        return kind == "persist_skipped"  # decided in the step
+    return kind not in ("run_end", "heartbeat_failed")
 
 
 def _overheads(att: _Attempt, start: float, end: float) -> dict[str, float]:
     """Incident handling, snapshot stalls, checks and write interference within
     [start, end] of the attempt."""
-    out: dict[str, float] = defaultdict(float)
+    out = {"incident": 0.0, "snapshot": 0.0, "check": 0.0, "persist": 0.0}
     for e in att.events:
         t = float(e["time"])
         if not start <= t <= end:
@@ -218,20 +328,14 @@ def _overheads(att: _Attempt, start: float, end: float) -> dict[str, float]:
         if e["kind"] == "snapshot":
             out["snapshot"] += float(e["details"].get("stall_ms", 0.0)) / 1000
         elif e["kind"] == "recovered":
-            inc = e["details"].get("incident", {})
-            began = float(inc.get("started_at", t))
+            began = float(e["details"].get("incident", {}).get("started_at", t))
             out["incident"] += t - max(began, start)
-    rows = [r for r in att.rows if start <= float(r["time"]) <= end]
-    out["check"] += sum(float(r.get("check_s") or 0.0) for r in rows)
-    idle = [float(r["step_s"]) for r in rows if r.get("step_s") and not r.get("writing")]
-    if idle:
-        base = statistics.median(idle)
-        out["persist"] += sum(
-            max(0.0, float(r["step_s"]) - base)
-            for r in rows
-            if r.get("step_s") and r.get("writing")
-        )
-    return dict(out)
+    rows, base = att.rows, att.base()
+    for i in rows.span(start, end):
+        out["check"] += rows.check[i]
+        if rows.writing[i] and rows.step_s[i] == rows.step_s[i]:
+            out["persist"] += max(0.0, rows.step_s[i] - base)
+    return out
 
 
 def _wasted(
@@ -244,12 +348,10 @@ def _wasted(
     for e in att.events:
         if e["kind"] != "recovered":
             continue
-        inc = e["details"].get("incident", {})
-        began = float(inc.get("started_at", e["time"]))
+        began = float(e["details"].get("incident", {}).get("started_at", e["time"]))
         back = [
             r for r in att.events
-            if r["kind"] == "rollback" and abs(float(r["time"]) - float(e["time"])) < 3600
-            and float(r["time"]) <= float(e["time"]) and float(r["time"]) >= began
+            if r["kind"] == "rollback" and began <= float(r["time"]) <= float(e["time"])
         ]  # fmt: skip
         if not back:
             continue
@@ -258,17 +360,21 @@ def _wasted(
             float(x["time"]) for x in att.events
             if x["kind"] == "snapshot" and x["step"] == to and float(x["time"]) <= began
         ]  # fmt: skip
-        t0 = max(anchors) if anchors else None
-        if t0 is None or t0 < start:
+        if not anchors or max(anchors) < start:
             continue
+        t0 = max(anchors)
         replayed += began - t0
         inner += sum(_overheads(att, t0, began).values())
     if replayed:
         out["replayed"] = (replayed, inner)
-    if nxt is not None and att.outcome != "ok":
+    if nxt is not None and att.outcome not in ("ok", "stopped"):
         resumes = [e for e in nxt.events if e["kind"] == "resume"]
-        step = int(resumes[0]["details"]["snapshot_step"]) if resumes else 0
-        t0 = _anchor(att, step) if resumes else start
-        t0 = start if t0 is None else min(max(t0, start), end)
+        at = _anchor(att, int(resumes[0]["details"]["snapshot_step"])) if resumes else start
+        t0 = start if at is None else min(max(at, start), end)
         out["lost"] = (end - t0, sum(_overheads(att, t0, end).values()))
     return out
+
+
+def files_of(run_dir: str) -> list[str]:
+    """The files the ledger reads (every node's journal, the metrics)."""
+    return [*journal_files(run_dir), os.path.join(run_dir, METRICS_NAME)]

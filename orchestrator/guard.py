@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,7 +38,7 @@ from orchestrator.health import HealthChecker
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.incident import Incident
 from orchestrator.investigate import Investigation
-from orchestrator.journal import Decisions, Journal
+from orchestrator.journal import Decisions, Journal, read_journal
 from orchestrator.keeper import StateKeeper
 from orchestrator.lifecycle import (
     Lifecycle,
@@ -51,6 +53,7 @@ from orchestrator.protocol import ENV_SHM_DIR, LEDGER_NAME
 from orchestrator.quarantine import Ledger
 from orchestrator.recovery import Recovery
 from orchestrator.snapshot import SnapshotRing
+from orchestrator.tuning import Measured, Tuner, resolve_auto, ring_min_steps
 
 # Outcomes of Guard.step.
 COMMIT, OVERFLOW_SKIP, ACCUMULATE = "commit", "overflow_skip", "accumulate"
@@ -99,7 +102,10 @@ class Guard:
         grad_accum_steps: int | None = None,
         fresh: bool = False,
     ) -> None:
-        self.policy = p = policy if policy is not None else load_policy()
+        p = policy if policy is not None else load_policy()
+        if p.snapshot.auto_every_steps or p.persist.auto_every_steps:
+            p = resolve_auto(p)  # a copy: the intervals change while training
+        self.policy = p
         self.comm = comm = Comm(process_group)
         self.engine: Engine = engine_for(
             model, optimizer, scheduler, scaler, engine, grad_accum_steps
@@ -146,9 +152,12 @@ class Guard:
             self._loss: torch.Tensor | None = None
             self._given: torch.Tensor | None = None  # the tensor the loop gave to backward
             self._resumed = False  # batches() resumed (or found nothing to resume from)
+            self._stepped = False  # a step was committed in this process
             self._checked: Checked | None = None  # the last step's check, as every rank saw it
             check_memory(p, comm, self.engine, self.shm.root if self.shm else None)
-            self.metrics = Metrics(p.metrics, self.run_dir, self.attempt, comm.rank == 0)
+            self.metrics = Metrics(
+                p.metrics, self.run_dir, self.attempt, comm.rank == 0, p.export.tensorboard_dir
+            )
             self.faults.install_module_faults(
                 self.engine.core, lambda: self.global_step, lambda: self.investigation.incident_step
             )
@@ -164,6 +173,19 @@ class Guard:
                 durable=self.durable, heartbeat=self.heartbeat, metrics=self.metrics,
                 health=self.health, recovery=self.recovery, cursor=self.cursor,
             )  # fmt: skip
+            self.tuner = Tuner(
+                p.tune,
+                p.snapshot.auto_every_steps,
+                p.persist.auto_every_steps,
+                p.snapshot.shared_memory,
+                ring_min_steps(p.snapshot),
+            )
+            self._started = time.monotonic()
+            self._tune_from = (self._started, 0)  # (when, step) of the last tuning
+            self._writes_from = 0  # durable writes submitted by the last tuning
+            self._step_times: list[tuple[float, bool]] = []  # (seconds, a write in flight)
+            self._last_commit: float | None = None
+            self._history = self._job_history() if self.tuner.active else (0, 0.0)
             self.lifecycle.start(len(in_ledger), lambda: self.global_step)
         except BaseException:
             self._abandon_start()
@@ -247,8 +269,8 @@ class Guard:
             self.lifecycle.say_if_done(self.global_step, max_steps)
         if not self.ring.snapshots():
             self.keeper.capture(self.global_step, initial=True)
-        every = self.policy.snapshot.every_steps
         while True:
+            every = self.policy.snapshot.every_steps  # tune may change it (every_steps: auto)
             if self.investigation.active:
                 with self.investigation.rerun() as ids:
                     batch = self.cursor.rerun_batch(ids)
@@ -399,15 +421,31 @@ class Guard:
             # scales its own (local or sharded) gradients by the same global factor.
             coef = max_norm / (grad_norm + 1e-6)
         self.engine.commit(self.adjuster.multiplier(), coef)
+        checked = self._checked
         low = self.metrics.after_step(
-            self.global_step, outcome, loss, grad_norm, lambda: self.lr, self.engine.loss_scale
-        )
+            self.global_step, outcome, loss, grad_norm, lambda: self.lr, self.engine.loss_scale,
+            check_s=checked.seconds if checked is not None else None,
+            writing=checked is not None and checked.writing,
+        )  # fmt: skip
         if low is not None:
             self._event("update_ratio_low", **low)
         self.cursor.commit(self.global_step)
         self._micro = 0
         self.keeper.seal_through(self.global_step, self.rollbacks)
+        if not self._stepped:  # the goodput ledger's end of (re)start: one event per process
+            self._stepped = True
+            self._event("first_step", resumed=self._resumed)
         self.global_step += 1
+        if self.tuner.active:
+            now = time.monotonic()
+            if self._last_commit is not None:
+                checked = self._checked
+                self._step_times.append(
+                    (now - self._last_commit, bool(checked and checked.writing))
+                )
+            self._last_commit = now
+            if self.tuner.due(self.global_step):
+                self._retune()
         self.heartbeat.beat(self.global_step)
         phase = self.adjuster.on_commit()
         if phase is not None:
@@ -416,6 +454,64 @@ class Guard:
 
     def _rolled_back(self, step: int) -> None:
         self.global_step, self._micro = step, 0
+        self._last_commit = None  # the incident's time is not a step's
+
+    # ------------------------------------------------------------------ auto intervals --
+    def _job_history(self) -> tuple[int, float]:
+        """(incidents, seconds) of the job before this process, from the journal (rank 0
+        reads; every rank gets the same)."""
+        said = None
+        if self.comm.rank == 0:
+            events = list(read_journal(self.run_dir))
+            starts = [
+                float(e["time"]) for e in events if e["kind"] in ("run_start", "attempt_start")
+            ]
+            said = (
+                sum(1 for e in events if e["kind"] == "incident"),
+                time.time() - min(starts) if starts else 0.0,
+            )
+        out: tuple[int, float] = self.comm.broadcast_object(said)
+        return out
+
+    def _retune(self) -> None:
+        """Every tune.every_steps steps (every rank at once): rank 0 measures and chooses,
+        every rank applies the same intervals; a change is journaled with its inputs."""
+        p, choice = self.policy, None
+        if self.comm.rank == 0:
+            now, (since, from_step) = time.monotonic(), self._tune_from
+            steps = self.global_step - from_step
+            idle = [s for s, w in self._step_times if not w]
+            busy = [s for s, w in self._step_times if w]
+            writes = self.durable.submitted - self._writes_from
+            write_s = None
+            if idle and busy and writes >= 2:  # the loop's slowdown per durable write
+                excess = sum(busy) - len(busy) * statistics.median(idle)
+                write_s = max(excess / writes, 1e-6)
+            stalls = list(self.keeper.stalls)
+            m = Measured(
+                step_s=(now - since) / max(steps, 1),
+                snapshot_s=statistics.mean(stalls) if stalls else None,
+                write_s=write_s,
+                incidents=self._history[0] + len(self.recovery.incidents),
+                restarts=self.attempt,
+                trained_s=self._history[1] + (now - self._started),
+            )
+            choice = (m, self.tuner.retune(m, p.snapshot.every_steps, p.persist.every_steps))
+        m, chosen = self.comm.broadcast_object(choice)
+        self._tune_from = (time.monotonic(), self.global_step)
+        self._writes_from = self.durable.submitted
+        self._step_times = []
+        for tier, section in (("snapshot", p.snapshot), ("persist", p.persist)):
+            c = chosen.get(tier)
+            if c is None or c.every_steps == section.every_steps:
+                continue
+            self._event(
+                "interval", tier=tier, old=section.every_steps, new=c.every_steps,
+                optimum_s=round(c.interval_s, 4), cost_s=round(c.cost_s, 6),
+                mtbf_s=round(c.mtbf_s, 1), step_s=round(c.step_s, 6), bounded_by=c.bounded_by,
+                incidents=m.incidents, restarts=m.restarts, trained_s=round(m.trained_s, 1),
+            )  # fmt: skip
+            section.every_steps = c.every_steps
 
     # ------------------------------------------------------------------ helpers --------
     def _misuse(self, what: str) -> UsageError:

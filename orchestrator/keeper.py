@@ -6,6 +6,7 @@ start. Every snapshot holds the Guard's counters and the shared data position un
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from typing import Any
@@ -47,6 +48,7 @@ class StateKeeper:
         # share: nobody may read the whole before every rank has copied (the step's
         # all-reduce orders that in training; resume and persist_now order it themselves).
         self._shares_node = shm is not None and len(shm.node_ranks or []) > 1
+        self.stalls: collections.deque[float] = collections.deque(maxlen=20)  # recent, seconds
 
     def _sealed(
         self, snap: Snapshot, checked_through: int | None = None, rollbacks: int = 0
@@ -101,13 +103,16 @@ class StateKeeper:
             snap.wait()
             snap.sealed = True
             self._sealed(snap)
+        stall_s = time.perf_counter() - t0
+        if not initial:
+            self.stalls.append(stall_s)  # what an automatic interval weighs (tuning.py)
         self.decide(
             "snapshot",
             step,
             tier="shm" if self.shm is not None else "memory",
             bytes=snap.nbytes,
             copied_bytes=snap.copied,  # rank 0's; less where a node part is shared
-            stall_ms=round((time.perf_counter() - t0) * 1e3, 3),
+            stall_ms=round(stall_s * 1e3, 3),
             initial=initial,
         )
         return snap

@@ -19,14 +19,34 @@ from typing import Any
 
 import torch
 
+from orchestrator.errors import PolicyError
 from orchestrator.policy_sections import MetricsPolicy
 from orchestrator.protocol import METRICS_NAME
 
 
 class Metrics:
-    def __init__(self, policy: MetricsPolicy, run_dir: str, attempt: int, enabled: bool) -> None:
+    """``tensorboard_dir``: the rows also go there as TensorBoard scalars (rank 0)."""
+
+    def __init__(
+        self,
+        policy: MetricsPolicy,
+        run_dir: str,
+        attempt: int,
+        enabled: bool,
+        tensorboard_dir: str | None = None,
+    ) -> None:
         self.policy = policy
         self.enabled = enabled and policy.enabled
+        self._tb: Any = None
+        if self.enabled and tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:  # torch's writer needs the tensorboard package
+                raise PolicyError(
+                    "export.tensorboard_dir is set but tensorboard is not installed: "
+                    "pip install tensorboard, or set export.tensorboard_dir: null"
+                ) from err
+            self._tb = SummaryWriter(log_dir=tensorboard_dir)
         self.path = os.path.join(run_dir, METRICS_NAME)
         self.attempt = attempt
         self._lines: list[str] = []
@@ -75,6 +95,8 @@ class Metrics:
         grad_norm: float,
         lr: Callable[[], float | None],
         loss_scale: Callable[[], float | None],
+        check_s: float | None = None,
+        writing: bool = False,
     ) -> dict[str, Any] | None:
         """After a step is applied (or skipped by the loss scaler): one row when due (values
         already on the host), and the update-to-weight ratio when due. Returns the details
@@ -102,6 +124,10 @@ class Metrics:
                 loss_scale=loss_scale() if outcome == "overflow_skip" or step % 50 == 0 else None,
                 update_ratio=ratio,
                 outcome=outcome,
+                # For the goodput ledger: the check's cost, and whether a durable write was
+                # in flight (its interference shows as slower steps).
+                check_s=None if check_s is None else round(check_s, 6),
+                writing=1 if writing else None,
             )
         return low
 
@@ -116,6 +142,11 @@ class Metrics:
         row = {"step": step, "time": time.time(), "attempt": self.attempt, "step_s": step_s}
         row.update({k: v for k, v in values.items() if v is not None})
         self._lines.append(json.dumps(row))
+        if self._tb is not None:
+            for key in ("loss", "grad_norm", "lr", "loss_scale", "step_s", "update_ratio"):
+                value = row.get(key)
+                if isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step, walltime=row["time"])
         if (
             len(self._lines) >= self.policy.flush_every
             or now - self._flushed >= self.policy.flush_s
@@ -128,6 +159,8 @@ class Metrics:
 
     def flush(self) -> None:
         self._flushed = time.monotonic()
+        if self._tb is not None:
+            self._tb.flush()
         if self._lines:
             with open(self.path, "a", encoding="utf-8") as f:
                 f.write("\n".join(self._lines) + "\n")

@@ -36,10 +36,12 @@ from orchestrator.fault_kinds import (
 )
 from orchestrator.policy_sections import (
     AdjustPolicy,
+    AlertsPolicy,
     ClipPolicy,
     DetectPolicy,
     DiagnosePolicy,
     EscalationPolicy,
+    ExportPolicy,
     HealthPolicy,
     MetricsPolicy,
     PersistPolicy,
@@ -47,6 +49,7 @@ from orchestrator.policy_sections import (
     SnapshotPolicy,
     SpikePolicy,
     SupervisorPolicy,
+    TunePolicy,
     _Section,
 )
 from orchestrator.protocol import ENV_POLICY
@@ -54,6 +57,7 @@ from orchestrator.protocol import ENV_POLICY
 # The section and fault models are re-exported: ``from orchestrator.policy import X`` stays.
 __all__ = [
     "AdjustPolicy",
+    "AlertsPolicy",
     "ClipPolicy",
     "CorruptAllreduceFault",
     "CrashFault",
@@ -62,6 +66,7 @@ __all__ = [
     "ENV_POLICY",
     "EscalationPolicy",
     "ExitFault",
+    "ExportPolicy",
     "Fault",
     "FlakyComputeFault",
     "HangFault",
@@ -81,6 +86,7 @@ __all__ = [
     "StorageErrorFault",
     "SupervisorPolicy",
     "TruncateSnapshotFault",
+    "TunePolicy",
     "load_policy",
     "parse_policy",
 ]
@@ -100,6 +106,9 @@ class Policy(_Section):
     metrics: MetricsPolicy = Field(default_factory=MetricsPolicy)  # type: ignore[arg-type]
     health: HealthPolicy = Field(default_factory=HealthPolicy)  # type: ignore[arg-type]
     diagnose: DiagnosePolicy = Field(default_factory=DiagnosePolicy)  # type: ignore[arg-type]
+    tune: TunePolicy = Field(default_factory=TunePolicy)  # type: ignore[arg-type]
+    export: ExportPolicy = Field(default_factory=ExportPolicy)  # type: ignore[arg-type]
+    alerts: AlertsPolicy = Field(default_factory=AlertsPolicy)  # type: ignore[arg-type]
     faults: list[Fault] = Field(
         default_factory=list, description="Fault injection for drills and tests (off: empty)."
     )

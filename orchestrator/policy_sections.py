@@ -5,7 +5,7 @@ models are in :mod:`orchestrator.fault_kinds`). Each field's description is what
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -15,8 +15,24 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+def _auto(data: Any) -> Any:
+    """``every_steps: auto`` in YAML becomes ``auto_every_steps: true`` (and a placeholder
+    interval, replaced at start by tune.initial_*)."""
+    if isinstance(data, dict) and data.get("every_steps") == "auto":
+        data = {**data, "every_steps": None, "auto_every_steps": True}
+    return data
+
+
 class SnapshotPolicy(_Section):
-    every_steps: int = Field(10, ge=1, description="Take an in-memory snapshot every N steps.")
+    every_steps: int = Field(
+        10,
+        ge=1,
+        description="Take an in-memory snapshot every N steps; auto: chosen from its measured "
+        "stall and the incidents' rate (tune section).",
+    )
+    auto_every_steps: bool = Field(
+        False, description="Set by every_steps: auto (the interval is chosen while training)."
+    )
     keep: int = Field(
         2,
         ge=2,
@@ -55,6 +71,14 @@ class SnapshotPolicy(_Section):
         "durable tier. Needs shared_memory and the supervisor under several nodes.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_interval(cls, data: Any) -> Any:
+        data = _auto(data)
+        if isinstance(data, dict) and data.get("every_steps", 0) is None:
+            data = {**data, "every_steps": 10}
+        return data
+
     @model_validator(mode="after")
     def _age_reachable(self) -> SnapshotPolicy:
         if self.replicate != "none" and not self.shared_memory:
@@ -62,6 +86,8 @@ class SnapshotPolicy(_Section):
                 f"replicate={self.replicate!r} copies the shared-memory ring: set "
                 "shared_memory: true too, or replicate: none"
             )
+        if self.auto_every_steps:
+            return self  # the tuner keeps (keep-1)*every_steps above both (tuning.py)
         history = self.every_steps * (self.keep - 1)
         if self.seal_after_steps > history:
             raise ValueError(
@@ -302,7 +328,11 @@ class PersistPolicy(_Section):
         100,
         ge=1,
         description="Persist the sealed snapshot of every N-th step (a multiple of "
-        "snapshot.every_steps); null: time-based only.",
+        "snapshot.every_steps); null: time-based only; auto: chosen from the writes' "
+        "measured cost and the restarts' rate (tune section).",
+    )
+    auto_every_steps: bool = Field(
+        False, description="Set by every_steps: auto (the interval is chosen while training)."
     )
     every_s: float | None = Field(
         None,
@@ -344,6 +374,14 @@ class PersistPolicy(_Section):
         "then refused as tampered, and unsigned ones are refused. Without a key a "
         "checksum can only say corrupt.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _auto_interval(cls, data: Any) -> Any:
+        data = _auto(data)
+        if isinstance(data, dict) and data.get("auto_every_steps") and data["every_steps"] is None:
+            data = {**data, "every_steps": 100}
+        return data
 
     @model_validator(mode="after")
     def _has_trigger(self) -> PersistPolicy:
@@ -400,3 +438,64 @@ class SupervisorPolicy(_Section):
         description="Several nodes: how long an attempt waits for a node whose supervisor "
         "is gone (or never started) before the job ends with exit 77.",
     )
+
+
+class ExportPolicy(_Section):
+    prometheus_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Serve Prometheus metrics (orchestrator_*) from each node's supervisor on "
+        "this port (0: a free one, said in the journal's exporter event); null: off. Needs "
+        "`pip install prometheus-client` (the [metrics] extra).",
+    )
+    prometheus_addr: str = Field("0.0.0.0", description="Address the endpoint listens on.")
+    tensorboard_dir: str | None = Field(
+        None,
+        description="Rank 0 also writes its metrics (loss, grad norm, LR, step time) as "
+        "TensorBoard scalars there; null: off. Needs `pip install tensorboard`.",
+    )
+
+
+AlertOn = Literal["gave_up", "unhealthy", "crash_loop", "hang", "node_lost", "restarts_exhausted"]
+
+
+class AlertsPolicy(_Section):
+    command: list[str] | str | None = Field(
+        None,
+        description="Run by the supervisor when one of `events` happens, with the event as JSON "
+        "on stdin (a list: argv; a string: through the shell); null: no alerts.",
+    )
+    events: list[AlertOn] = Field(
+        default_factory=lambda: ["gave_up", "unhealthy", "crash_loop", "hang"],  # type: ignore[arg-type]
+        description="What alerts: gave_up, unhealthy, crash_loop, hang, node_lost, "
+        "restarts_exhausted.",
+    )
+    timeout_s: float = Field(30.0, gt=0, description="The command is killed after this long.")
+
+
+class TunePolicy(_Section):
+    """``snapshot.every_steps: auto`` and ``persist.every_steps: auto`` (orchestrator/tuning.py)."""
+
+    every_steps: int = Field(
+        200, ge=1, description="Reconsider the automatic intervals every this many steps."
+    )
+    prior_incident_mtbf_s: float = Field(
+        6 * 3600.0, gt=0, description="Prior mean time between incidents (rollbacks)."
+    )
+    prior_restart_mtbf_s: float = Field(
+        24 * 3600.0, gt=0, description="Prior mean time between restarts (crashes, hangs)."
+    )
+    prior_weight_s: float = Field(
+        3600.0,
+        gt=0,
+        description="How much training time the priors are worth against what is observed.",
+    )
+    initial_snapshot_steps: int = Field(
+        10, ge=1, description="snapshot.every_steps until the first tuning."
+    )
+    initial_persist_steps: int = Field(
+        100, ge=1, description="persist.every_steps until the first tuning."
+    )
+    max_snapshot_steps: int = Field(1000, ge=1, description="The longest automatic interval.")
+    max_persist_steps: int = Field(20000, ge=1, description="The longest automatic interval.")

@@ -100,3 +100,6 @@ EVENT_REPLICATED, EVENT_REPLICATE_FAILED = "replicated", "replicate_failed"
 EVENT_BUDDY_RESTORE = "buddy_restore"
 SUPERVISOR_RANK = -1  # the journal's rank field for the supervisor's (and its helper's) events
 EVENT_SUPERVISOR_EXIT = "supervisor_exit"
+EVENT_STOP_REQUESTED = "stop_requested"  # a SIGTERM/SIGINT reached the supervisor (when)
+EVENT_ALERT = "alert"  # the supervisor ran alerts.command
+EVENT_EXPORTER = "exporter"  # the supervisor's Prometheus endpoint (its port)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 def daly_interval_s(cost_s: float, mtbf_s: float) -> float:
@@ -83,3 +84,83 @@ def choose(
         steps = max(multiple_of, round(steps / multiple_of) * multiple_of)
         why = why or "multiple"
     return Choice(steps, best, cost_s, mtbf, step_s, why)
+
+
+@dataclass
+class Measured:
+    """What rank 0 saw since training started (this process), for :meth:`Tuner.retune`."""
+
+    step_s: float  # seconds per step, overheads included
+    snapshot_s: float | None  # mean stall of an in-memory snapshot
+    write_s: float | None  # mean slowdown of the training loop per durable write
+    incidents: int  # incidents (rollbacks) of the job so far
+    restarts: int  # restarts of the job so far
+    trained_s: float  # seconds the job has trained (earlier attempts included)
+
+
+class Tuner:
+    """``every_steps: auto``: the intervals each ``tune.every_steps`` steps, from measured
+    costs and failure rates (the priors until there is history); the Guard applies and
+    journals a change (``interval`` events, with these inputs)."""
+
+    def __init__(
+        self,
+        tune: Any,
+        snapshot_auto: bool,
+        persist_auto: bool,
+        shared_memory: bool,
+        ring_min_steps: int,
+    ) -> None:
+        self.tune, self.snapshot_auto, self.persist_auto = tune, snapshot_auto, persist_auto
+        self.shared_memory = shared_memory
+        self.ring_min_steps = ring_min_steps
+
+    @property
+    def active(self) -> bool:
+        return self.snapshot_auto or self.persist_auto
+
+    def due(self, step: int) -> bool:
+        return self.active and step > 0 and step % self.tune.every_steps == 0
+
+    def retune(self, m: Measured, snapshot_steps: int, persist_steps: int | None) -> dict[str, Any]:
+        """The intervals to use (``snapshot``, ``persist``) and why, for each automatic one."""
+        t = self.tune
+        incident_mtbf = mtbf_s(t.prior_incident_mtbf_s, t.prior_weight_s, m.incidents, m.trained_s)
+        restart_mtbf = mtbf_s(t.prior_restart_mtbf_s, t.prior_weight_s, m.restarts, m.trained_s)
+        out: dict[str, Any] = {}
+        snap = snapshot_steps
+        if self.snapshot_auto and m.snapshot_s is not None:
+            # The ring is what incidents roll back to, and in shared memory what restarts
+            # resume from as well: their rates add.
+            rate = 1 / incident_mtbf + (1 / restart_mtbf if self.shared_memory else 0.0)
+            c = choose(m.snapshot_s, 1 / rate, m.step_s, self.ring_min_steps, t.max_snapshot_steps)
+            out["snapshot"] = c
+            snap = c.every_steps
+        if self.persist_auto and m.write_s is not None:
+            c = choose(m.write_s, restart_mtbf, m.step_s, snap, t.max_persist_steps, snap)
+            out["persist"] = c
+        elif self.persist_auto and persist_steps is not None and persist_steps % snap:
+            # Not measured yet: keep it, a multiple of the (new) in-memory interval.
+            steps = max(snap, round(persist_steps / snap) * snap)
+            out["persist"] = Choice(steps, 0.0, 0.0, restart_mtbf, m.step_s, "multiple")
+        return out
+
+
+def resolve_auto(policy: Any) -> Any:
+    """A copy of ``policy`` whose automatic intervals start at tune.initial_* (the persist
+    one a multiple of the in-memory one)."""
+    p = policy.model_copy(deep=True)
+    t = p.tune
+    if p.snapshot.auto_every_steps:
+        p.snapshot.every_steps = t.initial_snapshot_steps
+    if p.persist.auto_every_steps:
+        snap = p.snapshot.every_steps
+        p.persist.every_steps = max(snap, round(t.initial_persist_steps / snap) * snap)
+    return p
+
+
+def ring_min_steps(snapshot: Any) -> int:
+    """The shortest in-memory interval the ring allows: its sealed snapshots must span
+    min_age_steps, and outlive seal_after_steps, within keep - 1 slots."""
+    need = max(snapshot.min_age_steps, snapshot.seal_after_steps)
+    return max(1, math.ceil(need / (snapshot.keep - 1)))

@@ -62,3 +62,14 @@ def test_suite_cases_run_and_tabulate() -> None:
     assert md.count("\n| 0.0M |") == 4  # one row per world size, private ring and shared
     for row in (r["result"] for r in results if r["case"] == "snapshot"):
         assert row["shm_node_slot_over_state"] < 1.1  # the replicated state counted once
+
+
+@pytest.mark.matrix  # about 2 minutes: three supervised runs with crashes
+def test_goodput_benchmark_runs() -> None:
+    r = run([sys.executable, "benchmarks/bench_goodput.py", "--steps", "60", "--crash-every",
+             "40", "--nan-every", "40", "--d-model", "32", "--layers", "1", "--sweep", "10",
+             "--json"], timeout=280)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert [row["config"] for row in rows] == ["defaults", "auto", "fixed-10-10"]
+    assert all(0 < row["goodput"] <= 1 for row in rows)

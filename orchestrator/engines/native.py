@@ -30,7 +30,9 @@ ALLOWED_GLOBALS = (
 
 
 def _allowed() -> list[Any]:
-    """The allowed classes that can be imported here (DeepSpeed is optional)."""
+    """The allowed classes that can be imported here (DeepSpeed is optional), and numpy's
+    array reconstruction (RNG states hold numpy arrays): it builds an ndarray of an allowed
+    dtype, nothing else (torch's documented allow-list for numpy)."""
     out = []
     for name in ALLOWED_GLOBALS:
         module, _, attr = name.rpartition(".")
@@ -38,6 +40,11 @@ def _allowed() -> list[Any]:
             out.append(getattr(importlib.import_module(module), attr))
         except (ImportError, AttributeError):
             continue  # not installed: a file that needs it is refused below
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed it
+    out += [core.multiarray._reconstruct, np.ndarray, np.dtype]
+    out += [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.uint8, np.bool_)]
     return out
 
 
