@@ -5,8 +5,8 @@ The test's own measurements come from its clock, /proc and the ranks' heartbeat 
 never from the ledger's arithmetic: a crash from the moment the killed rank's process is
 gone to the moment a rank of the next attempt writes its first beat; a hang from the hung
 rank's last progress to the moment its attempt's processes (the ranks and their torchrun)
-are gone; a preemption from the SIGTERM the test sends to the moment they are gone; a rollback's thrown
-away work from the time the same steps take again after it."""
+are gone; a preemption from the SIGTERM the test sends to the moment they are gone; a
+rollback's thrown away work from the time the same steps take again after it."""
 
 from __future__ import annotations
 
