@@ -305,6 +305,7 @@ class Supervisor:
         finally:
             if self.replica is not None:  # it journals: before the journal closes
                 self.replica.close()
+            self.alerter.wait()  # the alerts journal their outcome too
             journal.close()
 
     def _await_peers(self, attempt: int) -> None:
