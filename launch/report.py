@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.goodput import Ledger, ledger
+from orchestrator.goodput import KINDS, Ledger, ledger
 from orchestrator.journal import load_journal, per_attempt, quarantine_share
 from orchestrator.metrics import read_metrics
 
@@ -230,11 +230,11 @@ def goodput_table(led: Ledger) -> list[str]:
     """The ledger's split of the wall time (orchestrator/goodput.py), largest first."""
     if led.wall_s <= 0:
         return ["No attempt has run yet."]
-    rows = ["| where the time went | seconds | share |", "|---|---|---|"]
+    rows = ["| where the time went | seconds | share | what |", "|---|---|---|---|"]
     for kind, seconds in sorted(led.parts.items(), key=lambda kv: -kv[1]):
         if seconds > 0 or kind == "productive":
-            rows.append(f"| {kind} | {seconds:.2f} | {seconds / led.wall_s:.1%} |")
-    rows.append(f"| **wall** | {led.wall_s:.2f} | goodput {_share(led.goodput)} |")
+            rows.append(f"| {kind} | {seconds:.2f} | {seconds / led.wall_s:.1%} | {KINDS[kind]} |")
+    rows.append(f"| **wall** | {led.wall_s:.2f} | goodput {_share(led.goodput)} | |")
     return rows
 
 

@@ -46,19 +46,20 @@ from typing import Any
 from orchestrator.journal import journal_files
 from orchestrator.protocol import METRICS_NAME
 
-KINDS = (
-    "productive",
-    "startup",
-    "restart",
-    "hang",
-    "preemption",
-    "lost",
-    "replayed",
-    "incident",
-    "snapshot",
-    "check",
-    "persist",
-)
+# kind -> what it is, in a few words (report.md's table); the module docstring has more.
+KINDS = {
+    "productive": "training steps kept in the final state",
+    "startup": "job start to its first step, last step to exit",
+    "restart": "failed attempt's last progress to the next one's first step",
+    "hang": "a hung attempt's last progress to its kill",
+    "preemption": "stop request to the end of the attempt",
+    "lost": "steps a failed attempt did that the next one redid",
+    "replayed": "steps a rollback threw away",
+    "incident": "isolation, forensics, health checks, the rollback",
+    "snapshot": "in-memory snapshot stalls",
+    "check": "the per-step finite check",
+    "persist": "steps slowed by a durable write in flight",
+}
 
 
 @dataclass
@@ -143,7 +144,8 @@ def ledger(
     """The goodput ledger of a run directory's journal ``events`` and its metrics ``rows``
     (``orchestrator.metrics.read_metrics``); ``now``: see :func:`ledger_of`."""
     by_attempt: dict[int, Rows] = {}
-    for row in sorted(rows, key=lambda r: float(r["time"])):
+    timed = [r for r in rows if isinstance(r.get("time"), int | float)]  # older rows: no time
+    for row in sorted(timed, key=lambda r: float(r["time"])):
         by_attempt.setdefault(int(row.get("attempt", 0)), Rows()).add(row)
     return ledger_of(events, by_attempt, now)
 

@@ -15,11 +15,11 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-def _auto(data: Any) -> Any:
-    """``every_steps: auto`` in YAML becomes ``auto_every_steps: true`` (and a placeholder
-    interval, replaced at start by tune.initial_*)."""
+def _auto(data: Any, placeholder: int) -> Any:
+    """``every_steps: auto`` in YAML becomes ``auto_every_steps: true`` and a placeholder
+    interval, replaced at start by tune.initial_*."""
     if isinstance(data, dict) and data.get("every_steps") == "auto":
-        data = {**data, "every_steps": None, "auto_every_steps": True}
+        data = {**data, "every_steps": placeholder, "auto_every_steps": True}
     return data
 
 
@@ -74,10 +74,7 @@ class SnapshotPolicy(_Section):
     @model_validator(mode="before")
     @classmethod
     def _auto_interval(cls, data: Any) -> Any:
-        data = _auto(data)
-        if isinstance(data, dict) and data.get("every_steps", 0) is None:
-            data = {**data, "every_steps": 10}
-        return data
+        return _auto(data, 10)
 
     @model_validator(mode="after")
     def _age_reachable(self) -> SnapshotPolicy:
@@ -378,10 +375,7 @@ class PersistPolicy(_Section):
     @model_validator(mode="before")
     @classmethod
     def _auto_interval(cls, data: Any) -> Any:
-        data = _auto(data)
-        if isinstance(data, dict) and data.get("auto_every_steps") and data["every_steps"] is None:
-            data = {**data, "every_steps": 100}
-        return data
+        return _auto(data, 100)
 
     @model_validator(mode="after")
     def _has_trigger(self) -> PersistPolicy:

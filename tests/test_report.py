@@ -38,7 +38,7 @@ def test_report_of_the_demo(demo: Path, tmp_path: Path) -> None:
     import matplotlib.image
 
     height, width = matplotlib.image.imread(str(tmp_path / "report.png")).shape[:2]
-    assert (width, height) == (1100, 700)
+    assert (width, height) == (1100, 800)  # three panels and the goodput bar
     rows = [line.split(" | ") for line in md.splitlines() if line.startswith("| 20")]
     incident = [r for r in rows if r[2] == "incident"]
     assert len(incident) == 1 and incident[0][1] == "37"
