@@ -232,9 +232,11 @@ class DurableTier:
         if self.persister is not None:
             self.persister.invalidate_after(step)
 
-    def close(self) -> None:
-        if self.persister is not None:
-            self.persister.close(self.policy.commit_timeout_s)
+    def close(self, abandon: Callable[[], bool] | None = None) -> bool:
+        """Let the write in flight finish (at most ``persist.commit_timeout_s``); with
+        ``abandon``, stop waiting as soon as it says so (the step stays uncommitted).
+        True if nothing was left in flight."""
+        return self.persister is None or self.persister.close(self.policy.commit_timeout_s, abandon)
 
     # --- resume ---------------------------------------------------------------------------
     def find_resume(self) -> Resumable | None:

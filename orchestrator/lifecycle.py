@@ -339,7 +339,7 @@ class Lifecycle:
                 step,
             )
         try:
-            self.close(step, persist=False, status="not_closed")
+            self.close(step, persist=False, status="not_closed", on_exit=True)
         except Exception as err:  # at exit: never mask the script's own outcome
             logger.warning("closing the forgotten run failed: %r", err)
 
@@ -369,10 +369,18 @@ class Lifecycle:
         )
 
     def close(
-        self, step: int, persist: bool, between_steps: bool = False, status: str | None = None
+        self,
+        step: int,
+        persist: bool,
+        between_steps: bool = False,
+        status: str | None = None,
+        on_exit: bool = False,
     ) -> None:
         """With ``persist``, a run that ended ``between_steps`` persists its state; stop the
-        writer and checkers, journal the end. Safe to call twice."""
+        writer and checkers, journal the end. Safe to call twice. ``on_exit``: the process
+        is ending without ``guard.close()`` (often because a peer died): a SIGTERM (the
+        launcher tearing the job down) stops the wait for a durable write in flight, whose
+        commit may wait for a dead rank's part."""
         if self.closed:
             return
         self.closed = True
@@ -385,7 +393,12 @@ class Lifecycle:
                 # its last step.
                 self.keeper.persist_now(step, self.recovery.rollbacks, "closing")
         self.recovery.flush_ledger()  # entries a storage failure held back, if any
-        self.durable.close()
+        if not self.durable.close(abandon=(lambda: self.signals.requested) if on_exit else None):
+            logger.warning(
+                "rank %d: a durable write was still in flight at exit and was abandoned; "
+                "its step stays uncommitted (committed snapshots are unchanged)",
+                self.comm.rank,
+            )
         if self.keeper.shm is not None:  # without a supervisor, nobody else removes it
             self.keeper.shm.close(remove=ENV_SHM_DIR not in os.environ)
         self.metrics.flush()
@@ -393,7 +406,6 @@ class Lifecycle:
             self.health.close()
         self.heartbeat.beat(step, phase="done", force=True)
         self.heartbeat.close()
-        self.signals.restore()
         summary: dict[str, Any] = {
             "attempt_incidents": len(self.recovery.incidents),
             "attempt_rollbacks": self.recovery.rollbacks,
@@ -415,3 +427,6 @@ class Lifecycle:
             **summary,
         )
         self.journal.close()
+        # Last: a launcher's SIGTERM during close (it tears the job down when a peer
+        # died) is noted, not fatal, until the run's end is journaled.
+        self.signals.restore()

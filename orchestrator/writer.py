@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,11 +142,21 @@ class Persister:
     def wait_idle(self, timeout_s: float) -> bool:
         return self._idle.wait(timeout_s)
 
-    def close(self, timeout_s: float | None = None) -> bool:
-        """Finish what is queued (bounded by ``timeout_s``), then stop. True if it stopped."""
+    def close(
+        self, timeout_s: float | None = None, abandon: Callable[[], bool] | None = None
+    ) -> bool:
+        """Finish what is queued (bounded by ``timeout_s``, and given up as soon as
+        ``abandon()`` says so), then stop. True if it stopped."""
         self._q.put(None)
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._thread.is_alive():
+            if abandon is not None and abandon():
+                return False
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._thread.join(0.2 if left is None else min(0.2, left))
+        return True
 
     def _run(self) -> None:
         while True:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run
+from conftest import kinds, run
 from launch.drill import BEGIN, END, QUICK, update_readme
 
 pytestmark = pytest.mark.timeout(900)
@@ -32,6 +32,14 @@ def test_the_quick_drill_passes(tmp_path: Path) -> None:
         assert c["steps_lost"] is not None and c["recovery_s"] is not None, (name, c)
     assert cells["preempt"]["exit_codes"] == [73, 0] and cells["preempt"]["steps_lost"] == 0
     assert cells["nan"]["steps_lost"] == 3 and cells["crash"]["steps_lost"] == 7
+    # The crash as the supervisor saw it: the crash's own step (not the last heartbeat's,
+    # an interval older), and each attempt's output kept.
+    crash = Path(cells["crash"]["run_dir"])
+    (restart,) = kinds(crash, "restart")
+    assert (restart["details"]["cause"], restart["attempt"], restart["step"]) == ("crash", 0, 27)
+    (end,) = [e for e in kinds(crash, "attempt_end") if e["attempt"] == 0]
+    assert end["details"]["best_step"] == 27
+    assert all((crash / "attempts" / a / "output.log").exists() for a in ("0", "1"))
     md = (out / "drill.md").read_text()
     text = readme.read_text()
     assert "old table" not in text and md.strip() in text and text.endswith("after\n")

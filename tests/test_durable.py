@@ -31,6 +31,9 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+# covered by default: tests/test_durable_faults.py (kills, the same command resumes bit
+# for bit) and the truncated-snapshot test below
+@pytest.mark.matrix
 def test_crash_then_same_command_resumes_bit_for_bit(tmp_path: Path, uninterrupted: Path) -> None:
     d = tmp_path / "run"
     policy = {**PERSIST, "faults": [{"kind": "crash", "step": 50, "rank": 0}]}

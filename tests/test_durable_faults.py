@@ -57,6 +57,10 @@ def test_a_rank_killed_in_each_phase_of_a_write_loses_nothing_committed(
     (fired,) = kinds(d, "fault")
     assert (fired["rank"], fired["step"], fired["details"]["fault"]["phase"]) == (rank, step, phase)
     assert audit(str(d)) == []  # nothing committed before the kill is lost
+    # A surviving rank 0 ends by itself: the launcher's SIGTERM stops its commit's wait for
+    # the dead rank's part (else torchrun SIGKILLs it 30 s later, with no run_end).
+    ends = [(e["rank"], e["details"]["status"]) for e in kinds(d, "run_end")]
+    assert ends == ([(0, "not_closed")] if rank != 0 else [])
     second = train(d, 2, *STEPS, policy=policy)  # the same command again
     assert second.returncode == 0, second.stdout[-3000:]
     (resume,) = kinds(d, "resume")

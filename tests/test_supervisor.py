@@ -38,6 +38,9 @@ def torchrun(*args: str) -> list[str]:
             *args]  # fmt: skip
 
 
+# covered by default: tests/test_drill.py (the crash cell, bit for bit, its restart step
+# and logs) and tests/test_nodes.py
+@pytest.mark.matrix
 def test_crash_is_restarted_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     clean = tmp_path / "clean"
     r = run(
@@ -62,6 +65,9 @@ def test_crash_is_restarted_and_resumes_bit_for_bit(tmp_path: Path) -> None:
         assert_bitwise_equal(a, b, "final")
 
 
+# covered by default: tests/test_nodes.py's hang (rank, host, phase, every rank's stack,
+# the culprit's frame) and the drill's hang cell
+@pytest.mark.matrix
 def test_hang_is_detected_and_restarted(tmp_path: Path) -> None:
     d = tmp_path / "run"
     hang_timeout = 6.0
@@ -132,6 +138,9 @@ def test_crash_loop_stops_early(tmp_path: Path) -> None:
     assert "crash loop" in exit_["details"]["reason"]
 
 
+# covered by default: the drill's preempt cell (exit 73, the same command resumes bit
+# for bit) and tests/test_nodes.py's preemption
+@pytest.mark.matrix
 def test_sigterm_preempts_with_snapshot_and_the_same_command_resumes(tmp_path: Path) -> None:
     d = tmp_path / "run"
     policy = {**BASE, "persist": {"every_steps": 1000}}  # only the preemption persists
