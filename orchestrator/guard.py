@@ -185,7 +185,8 @@ class Guard:
             self._writes_from = 0  # durable writes submitted by the last tuning
             self._step_times: list[tuple[float, bool]] = []  # (seconds, a write in flight)
             self._last_commit: float | None = None
-            self._history = self._job_history() if self.tuner.active else (0, 0.0)
+            self._history = self._job_history() if self.tuner.active else (0, 0.0, None)
+            self._write_cost = self._history[2]  # seconds of training lost per durable write
             self.lifecycle.start(len(in_ledger), lambda: self.global_step)
         except BaseException:
             self._abandon_start()
@@ -457,20 +458,30 @@ class Guard:
         self._last_commit = None  # the incident's time is not a step's
 
     # ------------------------------------------------------------------ auto intervals --
-    def _job_history(self) -> tuple[int, float]:
-        """(incidents, seconds) of the job before this process, from the journal (rank 0
-        reads; every rank gets the same)."""
+    def _job_history(self) -> tuple[int, float, float | None]:
+        """(incidents, seconds, the last measured cost of a durable write) of the job before
+        this process, from the journal (rank 0 reads; every rank gets the same). The cost
+        carries over: a job whose attempts crash before their second write must not
+        measure it from scratch each time."""
         said = None
         if self.comm.rank == 0:
             events = list(read_journal(self.run_dir))
             starts = [
                 float(e["time"]) for e in events if e["kind"] in ("run_start", "attempt_start")
             ]
+            costs = [
+                float(e["details"]["cost_s"])
+                for e in events
+                if e["kind"] == "interval"
+                and e["details"].get("tier") == "persist"
+                and e["details"].get("cost_s")
+            ]
             said = (
                 sum(1 for e in events if e["kind"] == "incident"),
                 time.time() - min(starts) if starts else 0.0,
+                costs[-1] if costs else None,
             )
-        out: tuple[int, float] = self.comm.broadcast_object(said)
+        out: tuple[int, float, float | None] = self.comm.broadcast_object(said)
         return out
 
     def _retune(self) -> None:
@@ -483,13 +494,14 @@ class Guard:
             idle = [s for s, w in self._step_times if not w]
             busy = [s for s, w in self._step_times if w]
             writes = self.durable.submitted - self._writes_from
-            write_s = None
-            if idle and busy and writes >= 2:  # the loop's slowdown per durable write
+            if idle and busy and writes >= 1:  # the loop's slowdown per durable write
                 excess = sum(busy) - len(busy) * statistics.median(idle)
-                write_s = max(excess / writes, 1e-6)
+                self._write_cost = max(excess / writes, 1e-6)
+            write_s = self._write_cost  # the last measured (an earlier attempt's at first)
             stalls = list(self.keeper.stalls)
+            every = [s for s, _ in self._step_times]  # commit to commit, no incident inside
             m = Measured(
-                step_s=(now - since) / max(steps, 1),
+                step_s=statistics.mean(every) if every else (now - since) / max(steps, 1),
                 snapshot_s=statistics.mean(stalls) if stalls else None,
                 write_s=write_s,
                 incidents=self._history[0] + len(self.recovery.incidents),

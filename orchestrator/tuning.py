@@ -60,7 +60,8 @@ class Choice:
     cost_s: float
     mtbf_s: float
     step_s: float
-    bounded_by: str | None  # what moved it off the optimum: min, max, ring, multiple
+    bounded_by: str | None  # what moved it off the optimum: min, max, multiple; probe:
+    # no cost known yet, the next snapshot is written to measure it
 
 
 def choose(
@@ -139,10 +140,10 @@ class Tuner:
         if self.persist_auto and m.write_s is not None:
             c = choose(m.write_s, restart_mtbf, m.step_s, snap, t.max_persist_steps, snap)
             out["persist"] = c
-        elif self.persist_auto and persist_steps is not None and persist_steps % snap:
-            # Not measured yet: keep it, a multiple of the (new) in-memory interval.
-            steps = max(snap, round(persist_steps / snap) * snap)
-            out["persist"] = Choice(steps, 0.0, 0.0, restart_mtbf, m.step_s, "multiple")
+        elif self.persist_auto:
+            # Not measured yet: write at the next in-memory snapshot, to measure (a job
+            # whose failures come sooner than its first write would never learn the cost).
+            out["persist"] = Choice(snap, 0.0, 0.0, restart_mtbf, m.step_s, "probe")
         return out
 
 

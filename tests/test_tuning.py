@@ -86,3 +86,22 @@ def test_the_prior_rules_until_there_is_history_and_bounds_hold() -> None:
     multiple = choose(2.0, 3600.0, 1.0, multiple_of=40)
     assert multiple.every_steps % 40 == 0 and multiple.bounded_by == "multiple"
     assert daly_interval_s(10.0, 4.0) == 4.0  # a snapshot dearer than failures are rare
+
+
+def test_an_unmeasured_durable_cost_is_probed_at_the_next_snapshot() -> None:
+    """With no durable write measured yet (failures came before it), the tier writes at
+    the next in-memory snapshot to measure one, instead of keeping a long initial interval
+    that the failures never let it reach; once measured, the optimum rules."""
+    from orchestrator.policy import Policy
+    from orchestrator.tuning import Measured, Tuner
+
+    tuner = Tuner(Policy().tune, True, True, shared_memory=False, ring_min_steps=2)
+    m = Measured(step_s=0.04, snapshot_s=0.003, write_s=None, incidents=1, restarts=1,
+                 trained_s=20.0)  # fmt: skip
+    chosen = tuner.retune(m, snapshot_steps=10, persist_steps=100)
+    snap = chosen["snapshot"].every_steps
+    assert (chosen["persist"].every_steps, chosen["persist"].bounded_by) == (snap, "probe")
+    measured = tuner.retune(
+        Measured(**{**m.__dict__, "write_s": 0.05}), snapshot_steps=snap, persist_steps=snap
+    )
+    assert measured["persist"].bounded_by != "probe" and measured["persist"].cost_s == 0.05
