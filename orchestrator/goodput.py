@@ -347,6 +347,7 @@ def _wasted(
     by the attempt's end when the next attempt resumes from an earlier step (``lost``)."""
     out: dict[str, tuple[float, float]] = {}
     replayed = inner = 0.0
+    spans: list[tuple[float, float]] = []  # the replayed spans, counted once
     for e in att.events:
         if e["kind"] != "recovered":
             continue
@@ -367,13 +368,22 @@ def _wasted(
         t0 = max(anchors)
         replayed += began - t0
         inner += sum(_overheads(att, t0, began).values())
+        spans.append((t0, began))
     if replayed:
         out["replayed"] = (replayed, inner)
     if nxt is not None and att.outcome not in ("ok", "stopped"):
         resumes = [e for e in nxt.events if e["kind"] == "resume"]
         at = _anchor(att, int(resumes[0]["details"]["snapshot_step"])) if resumes else start
         t0 = start if at is None else min(max(at, start), end)
-        out["lost"] = (end - t0, sum(_overheads(att, t0, end).values()))
+        span, overheads = end - t0, sum(_overheads(att, t0, end).values())
+        # A resume from before a rollback's target: the replayed span inside is counted
+        # (with its overheads) as replayed already.
+        for a, b in spans:
+            lo, hi = max(a, t0), min(b, end)
+            if hi > lo:
+                span -= hi - lo
+                overheads -= sum(_overheads(att, lo, hi).values())
+        out["lost"] = (span, max(0.0, overheads))
     return out
 
 
