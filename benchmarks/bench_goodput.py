@@ -28,7 +28,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from orchestrator.goodput import run_ledger  # noqa: E402
+from orchestrator.goodput import ledger  # noqa: E402
+from orchestrator.journal import read_journal, read_metrics  # noqa: E402
 
 
 def faults(steps: int, crash_every: int, nan_every: int) -> list[dict[str, Any]]:
@@ -66,8 +67,9 @@ def run_one(
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     if r.returncode != 0:
         raise SystemExit(f"{name}: exit {r.returncode}\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
-    led = run_ledger(str(d))
-    intervals = [e for e in _events(d) if e["kind"] == "interval"]
+    events = list(read_journal(str(d)))
+    led = ledger(events, read_metrics(str(d)))
+    intervals = [e for e in events if e["kind"] == "interval"]
     return {
         "config": name,
         "goodput": round(led.goodput or 0.0, 4),
@@ -76,12 +78,6 @@ def run_one(
         "parts": {k: round(v, 2) for k, v in led.parts.items() if v > 0},
         "intervals": [(e["details"]["tier"], e["details"]["new"]) for e in intervals][-4:],
     }
-
-
-def _events(d: Path) -> list[dict[str, Any]]:
-    from orchestrator.journal import read_journal
-
-    return list(read_journal(str(d)))
 
 
 def main() -> int:
@@ -104,7 +100,7 @@ def main() -> int:
             "tune": {"every_steps": 20, "prior_weight_s": 10.0},
         }),
     ]  # fmt: skip
-    for n in (int(x) for x in args.sweep.split(",")):
+    for n in (int(x) for x in args.sweep.split(",") if x.strip()):
         snap = min(n, 10)
         configs.append((f"fixed-{snap}-{n}", {
             "snapshot": {"every_steps": snap}, "persist": {"every_steps": n}}))  # fmt: skip
@@ -116,7 +112,8 @@ def main() -> int:
             if args.json:
                 print(json.dumps(row), flush=True)
     swept = [r for r in rows if r["config"].startswith("fixed-")]
-    best = max(swept, key=lambda r: r["goodput"])
+    best = max(swept, key=lambda r: r["goodput"]) if swept else rows[0]
+    top = best["goodput"] or 1.0  # a run with no productive time at all
     if not args.json:
         print(
             f"goodput under a crash every {args.crash_every} and a NaN every "
@@ -127,7 +124,7 @@ def main() -> int:
         print("|---|---|---|---|---|---|")
         for r in rows:
             lost = ", ".join(f"{k} {v}" for k, v in r["parts"].items() if k != "productive")
-            print(f"| {r['config']} | {r['goodput']:.1%} | {r['goodput'] / best['goodput']:.2f}x "
+            print(f"| {r['config']} | {r['goodput']:.1%} | {r['goodput'] / top:.2f}x "
                   f"| {r['wall_s']} | {lost} | {r['intervals'] or '-'} |")  # fmt: skip
         print(f"\nbest fixed interval of the sweep: {best['config']}")
     return 0

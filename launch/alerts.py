@@ -9,8 +9,11 @@ never holds up the supervisor's decisions; the supervisor waits for the ones sti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import signal
 import subprocess
 import threading
 from typing import Any
@@ -46,22 +49,34 @@ class Alerter:
         assert cmd is not None
         said: dict[str, Any] = {"alert": kind, "node": self.node}
         try:
-            r = subprocess.run(
+            # Its own session: a timeout kills the whole command (a shell line's children,
+            # e.g. its curl, too), not only the shell.
+            proc = subprocess.Popen(
                 cmd,
                 shell=isinstance(cmd, str),  # a string is a shell line, by the user's choice
-                input=json.dumps(payload, default=str).encode(),
-                capture_output=True,
-                timeout=self.policy.timeout_s,
-                check=False,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
             )
-            said.update(returncode=r.returncode, stderr=r.stderr.decode(errors="replace")[-500:])
-        except subprocess.TimeoutExpired:
-            said.update(error=f"timed out after {self.policy.timeout_s} s")
+            try:
+                _, err = proc.communicate(
+                    json.dumps(payload, default=str).encode(), timeout=self.policy.timeout_s
+                )
+                said.update(returncode=proc.returncode, stderr=err.decode(errors="replace")[-500:])
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                said.update(error=f"timed out after {self.policy.timeout_s} s")
         except OSError as err:  # not found, not executable
             said.update(error=repr(err))
         if said.get("returncode", 1) != 0:
             logger.warning("alerts.command for %s failed: %s", kind, said)
-        journal.write(EVENT_ALERT, step, said)
+        try:
+            journal.write(EVENT_ALERT, step, said)
+        except OSError as err:  # a full disk must not kill the thread silently
+            logger.warning("could not journal the %s alert: %r", kind, err)
 
     def wait(self) -> None:
         """Let the alerts still running finish (each bounded by its timeout)."""

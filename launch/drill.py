@@ -36,8 +36,7 @@ from typing import Any
 import yaml
 
 from orchestrator.errors import EXIT_PREEMPTED, EXIT_UNHEALTHY
-from orchestrator.journal import read_journal
-from orchestrator.metrics import read_metrics
+from orchestrator.journal import read_journal, read_metrics
 from orchestrator.policy import load_policy, parse_policy
 from orchestrator.protocol import LEDGER_NAME
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from orchestrator.goodput import KINDS, Ledger, Rows, ledger_of
 from orchestrator.heartbeat import read_heartbeats
-from orchestrator.journal import journal_files
+from orchestrator.journal import journal_files, per_attempt, quarantine_share
 from orchestrator.protocol import METRICS_NAME
 
 GOODPUT_EVERY_S = 30.0  # the ledger of a run that moves on is recomputed at most this late
@@ -69,17 +69,37 @@ class RunFollower:
         for path in journal_files(self.run_dir):
             tail = self._tails.setdefault(path, _Tail(path))
             for line in tail.lines():
-                try:
-                    self.events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # torn by a crash mid-write
+                e = _record(line, ("kind", str), ("time", float), ("details", dict))
+                if e is not None:  # else torn by a crash mid-write, or not ours
+                    self.events.append(e)
         for line in self._metrics.lines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
+            row = _record(line, ("time", float), ("step", int), ("attempt", int))
+            if row is None:
                 continue
-            self.rows.setdefault(int(row.get("attempt", 0)), Rows()).add(row)
+            try:  # a row that is kept must not half-fill the arrays
+                self.rows.setdefault(row["attempt"], Rows()).add(row)
+            except (TypeError, ValueError):
+                continue
             self.last_row = row
+
+
+def _record(line: str, *fields: tuple[str, type]) -> dict[str, Any] | None:
+    """``line`` as a JSON object whose ``fields`` have their types (None if not): a record
+    the follower keeps is one every later computation can read."""
+    try:
+        doc = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    if "attempt" not in doc:
+        doc["attempt"] = 0
+    for name, kind in fields:
+        value = doc.get(name)
+        ok = isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
+        if not ok or isinstance(value, bool):
+            return None
+    return doc
 
 
 class Exporter:
@@ -141,17 +161,13 @@ class Exporter:
             count: dict[str, int] = {}
             for e in events:
                 count[e["kind"]] = count.get(e["kind"], 0) + 1
-            per_attempt = {
-                kind: len({e.get("attempt") for e in events if e["kind"] == kind})
-                for kind in ("restart", "hang")
-            }
-            quarantined = sum(
-                len(e["details"].get("samples", [])) for e in events if e["kind"] == "quarantine"
-            )
+            share = quarantine_share(events)  # as status and report count them
+            quarantined = share[0] if share else 0
             yield counter("incidents", "Incidents (bad steps) so far.", count.get("incident", 0))
             yield counter("rollbacks", "Rollbacks so far.", count.get("rollback", 0))
-            yield counter("restarts", "Restarts of the job so far.", per_attempt["restart"])
-            yield counter("hangs", "Hangs detected so far.", per_attempt["hang"])
+            restarts, hangs = (len(per_attempt(events, k)) for k in ("restart", "hang"))
+            yield counter("restarts", "Restarts of the job so far.", restarts)
+            yield counter("hangs", "Hangs detected so far.", hangs)
             yield counter("quarantined_samples", "Samples quarantined so far.", quarantined)
             yield counter("alerts", "Alerts sent so far.", count.get("alert", 0))
             attempts = [int(e.get("attempt", 0)) for e in events if e["kind"] == "attempt_start"]
@@ -168,8 +184,8 @@ class Exporter:
                 labels=["node", "tier"],
             )
             now = time.time()
-            for tier, times in _snapshot_times(events).items():
-                ages.add_metric([self.node, tier], now - max(times))
+            for tier, newest in _newest_snapshots(events).items():
+                ages.add_metric([self.node, tier], now - newest)
             yield ages
             led = self._goodput()
             if led.goodput is not None:
@@ -184,12 +200,15 @@ class Exporter:
             yield parts
 
 
-def _snapshot_times(events: list[dict[str, Any]]) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {}
+def _newest_snapshots(events: list[dict[str, Any]]) -> dict[str, float]:
+    """When each tier's newest snapshot was taken."""
+    out: dict[str, float] = {}
     for e in events:
+        tier = None
         if e["kind"] == "snapshot":
             tier = "shm" if e["details"].get("tier") == "shm" else "memory"
-            out.setdefault(tier, []).append(float(e["time"]))
         elif e["kind"] in ("persist", "flush") and e["details"].get("flushed", True):
-            out.setdefault("durable", []).append(float(e["time"]))
+            tier = "durable"
+        if tier is not None:
+            out[tier] = max(out.get(tier, 0.0), float(e["time"]))
     return out

@@ -11,6 +11,7 @@ RUN_DIR/metrics.jsonl only: the report works on a finished, crashed or running r
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -20,8 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.goodput import KINDS, Ledger, ledger
-from orchestrator.journal import load_journal, per_attempt, quarantine_share
-from orchestrator.metrics import read_metrics
+from orchestrator.journal import load_journal, per_attempt, quarantine_share, read_metrics
 
 COLOURS = {
     "transient": "tab:orange",
@@ -40,6 +40,11 @@ class RunRecord:
 
     def of(self, *kinds: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["kind"] in kinds]
+
+    @functools.cached_property
+    def goodput(self) -> Ledger:
+        """The goodput ledger (computed once: the page and the picture both show it)."""
+        return ledger(self.events, self.metrics)
 
 
 def load(run_dir: str) -> RunRecord:
@@ -126,15 +131,7 @@ def totals(rec: RunRecord) -> dict[str, Any]:
     lost_steps = sum(
         int(r["details"]["from_step"]) - int(r["details"]["to_step"]) for r in rollbacks
     )
-    step_times = [m["step_s"] for m in rec.metrics if m.get("step_s")]
-    step_s = statistics.median(step_times) if step_times else None
-    incident_s = sum(float(e["details"]["incident"]["duration_s"]) for e in rec.of("recovered"))
-    restart_s = 0.0
     restarts = per_attempt(rec.events, "restart")  # each node journals the job's restart
-    for r in restarts:  # from the end of an attempt to the next one's resume
-        resumed = [e for e in rec.of("resume") if e["time"] > r["time"]]
-        if resumed:
-            restart_s += float(resumed[0]["time"]) - float(r["time"])
     quarantined = sorted({i for q in rec.of("quarantine") for i in q["details"]["samples"]})
     share = quarantine_share(rec.events)
     causes = [e["details"].get("cause") for e in rec.of("incident")]
@@ -153,12 +150,8 @@ def totals(rec: RunRecord) -> dict[str, Any]:
             }
         ),
         "steps_lost_to_rollback": lost_steps,
-        "wall_time_lost_s": round(
-            incident_s + restart_s + (lost_steps * step_s if step_s else 0.0), 2
-        ),
-        "goodput": ledger(rec.events, rec.metrics),
+        "goodput": rec.goodput,
         "quarantined_samples": len(quarantined),
-        "median_step_s": step_s,
     }
 
 
@@ -266,7 +259,7 @@ def plot(rec: RunRecord, path: str) -> None:
     grid = fig.add_gridspec(3, 1, height_ratios=[3, 2, 0.7])
     ax_loss = fig.add_subplot(grid[0])
     ax_gn = fig.add_subplot(grid[1], sharex=ax_loss)
-    _goodput_bar(fig.add_subplot(grid[2]), ledger(rec.events, rec.metrics))
+    _goodput_bar(fig.add_subplot(grid[2]), rec.goodput)
     loss = [final[s].get("loss", math.nan) for s in steps]
     ax_loss.plot(steps, loss, lw=1, color="tab:blue", label="loss")
     finite = [v for v in loss if v is not None and v > 0]

@@ -10,8 +10,7 @@ from typing import Any
 from launch.nodes import supervisors
 from orchestrator.goodput import ledger
 from orchestrator.heartbeat import progress_time, read_heartbeats
-from orchestrator.journal import per_attempt, quarantine_share, read_journal
-from orchestrator.metrics import read_metrics
+from orchestrator.journal import per_attempt, quarantine_share, read_journal, read_metrics
 from orchestrator.policy import load_policy
 from orchestrator.protocol import POLICY_NAME
 from orchestrator.store import DurableStore, default_url

@@ -122,7 +122,8 @@ class Supervisor:
         self.replica: Replicator | None = None
         self._cannot_start: str | None = None  # why the command could not start at all
         self._announced = 0  # signals said to the person watching (outside the handler)
-        self._signal_times: list[float] = []  # when each came (appended by the handler)
+        self._first_signal_at: float | None = None  # set by the handler
+        self._stop_journaled = False  # stop_requested written (once the journal is open)
         self.alerter = Alerter(policy.alerts, self.run_dir, self.node)
         self.exporter: Exporter | None = None  # export.prometheus_port
 
@@ -169,7 +170,11 @@ class Supervisor:
                     self.run_dir, self.node, export.prometheus_port, export.prometheus_addr
                 )
             except (RuntimeError, OSError) as err:  # not installed, port taken: say, go on
-                self._say(f"no Prometheus endpoint: {err}")
+                where = f"{export.prometheus_addr}:{export.prometheus_port}"
+                self._say(
+                    f"no Prometheus endpoint on {where}: {err}; training goes on without it "
+                    "(choose another export.prometheus_port, or 0 for a free one)"
+                )
                 journal.write(EVENT_EXPORTER, -1, {"error": str(err), "node": self.node})
             else:
                 address = f"{socket.gethostname()}:{self.exporter.port}"
@@ -552,7 +557,8 @@ class Supervisor:
         loop says it (:meth:`_announce`)."""
         self._signals += 1
         self._last_signal = signum
-        self._signal_times.append(time.time())
+        if self._first_signal_at is None:
+            self._first_signal_at = time.time()
         self._wake.set()
         if self._signals == 1 or signum == signal.SIGTERM:
             # Forward: the Guard turns it into a collective stop with a durable snapshot.
@@ -567,19 +573,20 @@ class Supervisor:
     def _announce(self) -> None:
         """Say, from the main loop, what the signal handler did since the last call (and
         journal it: the goodput ledger counts a preemption from its signal)."""
-        if self._announced >= self._signals:
-            return
-        journal = getattr(self, "journal", None)
-        if journal is not None and self._announced == 0:
+        journal = getattr(self, "journal", None)  # a signal may come before it is open
+        if journal is not None and self._first_signal_at is not None and not self._stop_journaled:
+            self._stop_journaled = True
             journal.write(
                 EVENT_STOP_REQUESTED,
                 self._max_step if self._max_step is not None else -1,
                 {
                     "signal": signal.Signals(self._last_signal).name,
-                    "signal_time": self._signal_times[0],
+                    "signal_time": self._first_signal_at,
                     "node": self.node,
                 },
             )
+        if self._announced >= self._signals:
+            return
         if self._announced == 0 or self._last_signal == signal.SIGTERM:
             self._say(
                 f"got {signal.Signals(self._last_signal).name}: stopping the workers "

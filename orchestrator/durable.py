@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 from orchestrator.comm import Comm
 from orchestrator.detect import PERSIST_BUSY, PERSIST_FAILED, PERSIST_REQUEST
 from orchestrator.engines import Engine
@@ -28,7 +26,7 @@ from orchestrator.protocol import local_tier_key
 from orchestrator.retry import is_transient, storage_retry
 from orchestrator.shm import ShmSlots, agreeable
 from orchestrator.snapshot import Snapshot
-from orchestrator.store import DurableStore, default_url, signing_key
+from orchestrator.store import SNAPSHOT_ERRORS, DurableStore, default_url, signing_key
 from orchestrator.writer import LocalTier, Persister
 
 #: A state tree to restore, the manifest it came with, and the store URL it came from.
@@ -272,8 +270,9 @@ class DurableTier:
             tree, error, transient = self._load(self.store, step, manifest, problem, 0)
             said = self.comm.all_gather_object((error, transient))
             errors = [e for e, _ in said if e]
-            if any(t for _, t in said):  # not invalid: unreadable now (a restart retries)
-                raise self._unreachable(errors[0])
+            unreadable = [e for e, t in said if t]
+            if unreadable:  # not invalid: unreadable now (a restart retries)
+                raise self._unreachable(unreadable[0])
             if errors:
                 rejected.append((step, errors))
                 self.event("snapshot_invalid", snapshot_step=step, reasons=errors)
@@ -401,9 +400,7 @@ class DurableTier:
                 return tree
 
             return storage_retry(self.policy)(read), None, False
-        except Exception as err:  # anything wrong with this snapshot: try an older one
-            return None, f"rank {rank}: {err}", is_transient(err)
-        except CheckpointException as err:  # DCP's, a BaseException
+        except SNAPSHOT_ERRORS as err:  # anything wrong with this snapshot: try an older one
             return None, f"rank {rank}: {err}", is_transient(err)
 
     def tier_of(self, url: str) -> str:

@@ -54,27 +54,10 @@ from orchestrator.fault_kinds import (
 
 
 def fault_key(f: Fault) -> str:
-    if isinstance(f, PoisonSampleFault):
-        return f"poison_sample:{f.sample}"
-    if isinstance(f, StorageErrorFault):
-        return f"storage_error:{f.op}x{f.times}"
-    if isinstance(f, SlowStorageFault):
-        return f"slow_storage:{f.op}+{f.seconds}s"
-    if isinstance(f, TruncateSnapshotFault):
-        return f"truncate_snapshot@{f.step}"
-    if isinstance(f, KillPersistFault):
-        return f"kill_persist:{f.phase}@{f.step}:r{f.rank}"
-    if isinstance(f, CorruptManifestFault):
-        return f"corrupt_manifest:{f.how}@{f.step}"
-    if isinstance(f, MissHealthFault):
-        return f"miss_health:r{f.rank}"
-    if isinstance(f, (CorruptAllreduceFault, FlakyComputeFault, SlowRankFault)):
-        return f"{f.kind}:r{f.rank}"
-    if isinstance(f, NanModuleFault):
-        return f"nan_module:{f.module}@{f.step}"
-    micro = getattr(f, "micro", 0)
-    attempt = "" if f.attempt is None else f"#a{f.attempt}"
-    return f"{f.kind}@{f.step}" + (f".{micro}" if micro else "") + f":r{f.rank}{attempt}"
+    """A fault's identity in the journal: one that fired does not fire again when the run
+    resumes (and a rolled-back step is not the same fault twice)."""
+    fields = f.model_dump(exclude={"kind"}, exclude_none=True)
+    return f.kind + ":" + ",".join(f"{k}={v}" for k, v in sorted(fields.items()))
 
 
 class InjectedStorageError(OSError):
@@ -150,18 +133,14 @@ class FaultInjector:
         )
 
     def _take(self, cls: type, step: int, at_or_after: bool = False, micro: int = 0) -> bool:
-        with self._lock:
-            for f in self._pending:
-                fstep = getattr(f, "step", None)
-                hit = fstep is not None and (step >= fstep if at_or_after else step == fstep)
-                hit = hit and getattr(f, "micro", micro) == micro
-                if isinstance(f, cls) and hit:
-                    self._pending.remove(f)
-                    self.journal.write(
-                        "fault", step, {"key": fault_key(f), "fault": f.model_dump()}
-                    )
-                    return True
-        return False
+        """Take the pending ``cls`` fault of ``step`` (or of an earlier one)."""
+
+        def due(f: Fault) -> bool:
+            fstep = getattr(f, "step", None)
+            hit = fstep is not None and (step >= fstep if at_or_after else step == fstep)
+            return isinstance(f, cls) and hit and getattr(f, "micro", micro) == micro
+
+        return self._take_first(due, step) is not None
 
     def on_loss(
         self,
@@ -243,9 +222,7 @@ class FaultInjector:
     def storage(self, op: str, step: int) -> None:
         """Delay ``op`` (slow_storage), or raise an injected storage error for it while the
         fault has some left (storage_error). Called from the writer thread."""
-        for slow in self._slow:
-            if slow.op == op:
-                time.sleep(slow.seconds)
+        self._delay(op)
         with self._lock:
             for i, left in self._storage.items():
                 f = self._storage_faults[i]
@@ -254,6 +231,12 @@ class FaultInjector:
                     raise InjectedStorageError(
                         f"injected storage error ({op}, {f.times - left + 1} of {f.times})"
                     )
+
+    def _delay(self, op: str) -> None:
+        """``slow_storage``: the storage takes this long for ``op``."""
+        for slow in self._slow:
+            if slow.op == op:
+                time.sleep(slow.seconds)
 
     def truncate_due(self, step: int) -> bool:
         return self._take(TruncateSnapshotFault, step, at_or_after=True)
@@ -274,9 +257,7 @@ class FaultInjector:
         """``kill_persist``: SIGKILL this rank in ``phase`` of the durable write of ``step``
         (the store's hook; called from the writer thread)."""
         if phase == "parts":
-            for slow in self._slow:
-                if slow.op == "commit":
-                    time.sleep(slow.seconds)
+            self._delay("commit")
         if self._take_first(
             lambda f: isinstance(f, KillPersistFault) and f.phase == phase and step >= f.step,
             step,

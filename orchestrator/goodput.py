@@ -34,17 +34,14 @@ Rows are kept compact (a few arrays per attempt), so a long run's ledger stays c
 from __future__ import annotations
 
 import bisect
-import json
 import math
-import os
 import statistics
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.journal import journal_files
-from orchestrator.protocol import METRICS_NAME
+from orchestrator.journal import read_journal, read_metrics
 
 # kind -> what it is, in a few words (report.md's table); the module docstring has more.
 KINDS = {
@@ -79,13 +76,6 @@ class Ledger:
     def goodput(self) -> float | None:
         return self.parts["productive"] / self.wall_s if self.wall_s > 0 else None
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "wall_s": round(self.wall_s, 3),
-            "goodput": None if self.goodput is None else round(self.goodput, 4),
-            "parts": {k: round(v, 3) for k, v in self.parts.items()},
-        }
-
 
 class Rows:
     """One attempt's metrics rows, as arrays in time order."""
@@ -95,14 +85,14 @@ class Rows:
         self.steps = array("q")
         self.step_s = array("d")  # nan: not known (the first row after a restart)
         self.check = array("d")
-        self.writing = array("b")
+        self.writing = array("i")  # steps of the row with a durable write in flight
 
     def add(self, row: dict[str, Any]) -> None:
         self.times.append(float(row["time"]))
         self.steps.append(int(row["step"]))
         self.step_s.append(float(row["step_s"]) if row.get("step_s") is not None else math.nan)
         self.check.append(float(row.get("check_s") or 0.0))
-        self.writing.append(1 if row.get("writing") else 0)
+        self.writing.append(int(row.get("writing") or 0))
 
     def __len__(self) -> int:
         return len(self.times)
@@ -129,6 +119,13 @@ class _Attempt:
     stop_at: float | None = None  # a stop request's signal
     progress: float | None = None  # the ranks' last progress, as the supervisor saw it
     _base: float | None = None  # median step time without a durable write in flight
+    _ix: _Index | None = None
+
+    def index(self) -> _Index:
+        """The events the ledger looks up, indexed once (a long run has 1e5 of them)."""
+        if self._ix is None:
+            self._ix = _Index(self.events)
+        return self._ix
 
     def base(self) -> float:
         if self._base is None:
@@ -138,11 +135,48 @@ class _Attempt:
         return self._base
 
 
+class _Index:
+    """One attempt's events (in time order) as the ledger looks them up: snapshot stalls
+    as prefix sums, captures by step, incidents and rollbacks in time order."""
+
+    def __init__(self, events: list[dict[str, Any]]) -> None:
+        self.snap_t: list[float] = []
+        self.stall_sum = [0.0]  # stall_sum[i]: the stalls of the first i snapshots
+        self.captured: dict[int, list[float]] = {}  # step -> capture times
+        self.recovered: list[tuple[float, float]] = []  # (time, incident began)
+        self.rollback_t: list[float] = []
+        self.rollback_to: list[int] = []
+        for e in events:
+            t, kind = float(e["time"]), e["kind"]
+            if kind == "snapshot":
+                self.snap_t.append(t)
+                self.stall_sum.append(
+                    self.stall_sum[-1] + float(e["details"].get("stall_ms", 0.0)) / 1000
+                )
+                self.captured.setdefault(int(e["step"]), []).append(t)
+            elif kind == "recovered":
+                began = float(e["details"].get("incident", {}).get("started_at", t))
+                self.recovered.append((t, began))
+            elif kind == "rollback":
+                self.rollback_t.append(t)
+                self.rollback_to.append(int(e["details"]["to_step"]))
+
+    def stalls(self, start: float, end: float) -> float:
+        i = bisect.bisect_left(self.snap_t, start)
+        j = bisect.bisect_right(self.snap_t, end)
+        return self.stall_sum[j] - self.stall_sum[i] if j > i else 0.0
+
+    def last_rollback(self, start: float, end: float) -> int | None:
+        """The target step of the last rollback within [start, end]."""
+        j = bisect.bisect_right(self.rollback_t, end)
+        return self.rollback_to[j - 1] if j and self.rollback_t[j - 1] >= start else None
+
+
 def ledger(
     events: Iterable[dict[str, Any]], rows: Iterable[dict[str, Any]], now: float | None = None
 ) -> Ledger:
     """The goodput ledger of a run directory's journal ``events`` and its metrics ``rows``
-    (``orchestrator.metrics.read_metrics``); ``now``: see :func:`ledger_of`."""
+    (``orchestrator.journal.read_metrics``); ``now``: see :func:`ledger_of`."""
     by_attempt: dict[int, Rows] = {}
     timed = [r for r in rows if isinstance(r.get("time"), int | float)]  # older rows: no time
     for row in sorted(timed, key=lambda r: float(r["time"])):
@@ -183,20 +217,7 @@ def ledger_of(
 
 def run_ledger(run_dir: str) -> Ledger:
     """The ledger of a run directory, its files read once."""
-    from orchestrator.journal import read_journal
-
-    return ledger(read_journal(run_dir), _read_rows(os.path.join(run_dir, METRICS_NAME)))
-
-
-def _read_rows(path: str) -> Iterable[dict[str, Any]]:
-    if not os.path.exists(path):
-        return
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn last line
+    return ledger(read_journal(run_dir), read_metrics(run_dir))
 
 
 def _sessions(events: list[dict[str, Any]]) -> list[list[_Attempt]]:
@@ -256,7 +277,7 @@ def _sessions(events: list[dict[str, Any]]) -> list[list[_Attempt]]:
 def _anchor(att: _Attempt, step: int) -> float | None:
     """When ``att`` had completed ``step`` steps: the capture of a snapshot of that step (or
     the row of the step before it)."""
-    caps = [float(e["time"]) for e in att.events if e["kind"] == "snapshot" and e["step"] == step]
+    caps = att.index().captured.get(step, [])
     if caps:
         return min(caps)
     done = [t for t, s in zip(att.rows.times, att.rows.steps, strict=True) if s == step - 1]
@@ -322,21 +343,16 @@ def _progress(kind: str) -> bool:
 def _overheads(att: _Attempt, start: float, end: float) -> dict[str, float]:
     """Incident handling, snapshot stalls, checks and write interference within
     [start, end] of the attempt."""
-    out = {"incident": 0.0, "snapshot": 0.0, "check": 0.0, "persist": 0.0}
-    for e in att.events:
-        t = float(e["time"])
-        if not start <= t <= end:
-            continue
-        if e["kind"] == "snapshot":
-            out["snapshot"] += float(e["details"].get("stall_ms", 0.0)) / 1000
-        elif e["kind"] == "recovered":
-            began = float(e["details"].get("incident", {}).get("started_at", t))
-            out["incident"] += t - max(began, start)
+    ix = att.index()
+    incident = sum(t - max(began, start) for t, began in ix.recovered if start <= t <= end)
+    out = {"incident": incident, "snapshot": ix.stalls(start, end), "check": 0.0, "persist": 0.0}
     rows, base = att.rows, att.base()
     for i in rows.span(start, end):
         out["check"] += rows.check[i]
         if rows.writing[i] and rows.step_s[i] == rows.step_s[i]:
-            out["persist"] += max(0.0, rows.step_s[i] - base)
+            # step_s is the mean over the steps since the previous row (metrics.every_steps)
+            n = rows.steps[i] - rows.steps[i - 1] if i else 1
+            out["persist"] += max(0.0, rows.step_s[i] - base) * (n if n > 0 else 1)
     return out
 
 
@@ -348,21 +364,12 @@ def _wasted(
     out: dict[str, tuple[float, float]] = {}
     replayed = inner = 0.0
     spans: list[tuple[float, float]] = []  # the replayed spans, counted once
-    for e in att.events:
-        if e["kind"] != "recovered":
+    ix = att.index()
+    for t, began in ix.recovered:
+        to = ix.last_rollback(began, t)
+        if to is None:
             continue
-        began = float(e["details"].get("incident", {}).get("started_at", e["time"]))
-        back = [
-            r for r in att.events
-            if r["kind"] == "rollback" and began <= float(r["time"]) <= float(e["time"])
-        ]  # fmt: skip
-        if not back:
-            continue
-        to = int(back[-1]["details"]["to_step"])
-        anchors = [
-            float(x["time"]) for x in att.events
-            if x["kind"] == "snapshot" and x["step"] == to and float(x["time"]) <= began
-        ]  # fmt: skip
+        anchors = [x for x in ix.captured.get(to, []) if x <= began]
         if not anchors or max(anchors) < start:
             continue
         t0 = max(anchors)
@@ -385,8 +392,3 @@ def _wasted(
                 overheads -= sum(_overheads(att, lo, hi).values())
         out["lost"] = (span, max(0.0, overheads))
     return out
-
-
-def files_of(run_dir: str) -> list[str]:
-    """The files the ledger reads (every node's journal, the metrics)."""
-    return [*journal_files(run_dir), os.path.join(run_dir, METRICS_NAME)]

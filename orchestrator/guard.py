@@ -16,10 +16,12 @@ who calls whom.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import statistics
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +40,7 @@ from orchestrator.health import HealthChecker
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.incident import Incident
 from orchestrator.investigate import Investigation
-from orchestrator.journal import Decisions, Journal, read_journal
+from orchestrator.journal import Decisions, Journal, per_attempt, read_journal
 from orchestrator.keeper import StateKeeper
 from orchestrator.lifecycle import (
     Lifecycle,
@@ -50,7 +52,7 @@ from orchestrator.lifecycle import (
 from orchestrator.metrics import Metrics
 from orchestrator.policy import Policy, load_policy
 from orchestrator.protocol import ENV_SHM_DIR, LEDGER_NAME
-from orchestrator.quarantine import Ledger
+from orchestrator.quarantine import Ledger, held_back
 from orchestrator.recovery import Recovery
 from orchestrator.snapshot import SnapshotRing
 from orchestrator.tuning import Measured, Tuner, resolve_auto, ring_min_steps
@@ -59,6 +61,19 @@ from orchestrator.tuning import Measured, Tuner, resolve_auto, ring_min_steps
 COMMIT, OVERFLOW_SKIP, ACCUMULATE = "commit", "overflow_skip", "accumulate"
 INCIDENT, PROBE = "incident", "probe"
 __all__ = ["ACCUMULATE", "COMMIT", "INCIDENT", "OVERFLOW_SKIP", "PROBE", "Guard"]
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _History:
+    """What a job saw before this process (``every_steps: auto``'s inputs)."""
+
+    incidents: int = 0
+    restarts: int = 0
+    seconds: float = 0.0  # since the job's first start
+    write_cost: float | None = None  # the last journaled cost of a durable write
 
 
 class Guard:
@@ -126,8 +141,14 @@ class Guard:
             self.adjuster = LRAdjuster(p.adjust)
             self.faults = FaultInjector(p.faults, comm.global_rank, self.run_dir, self.journal)
             ledger = Ledger(p.quarantine.ledger_url or os.path.join(self.run_dir, LEDGER_NAME))
-            # Rank 0 reads, every rank gets the same set: shards must never overlap.
-            in_ledger = comm.broadcast_object(ledger.load() if comm.rank == 0 else None)
+            # Rank 0 reads, every rank gets the same set: shards must never overlap. Entries
+            # an earlier process quarantined but could not write count as well.
+            held: list[tuple[list[int], int, str]] = []
+            if comm.rank == 0:
+                loaded = ledger.load()
+                held = held_back(read_journal(self.run_dir), loaded)
+                loaded |= {i for ids, _, _ in held for i in ids}
+            in_ledger = comm.broadcast_object(loaded if comm.rank == 0 else None)
             self.cursor = DataCursor(comm, in_ledger, p.quarantine.window_steps)
             self.durable = DurableTier(
                 p, comm, self.engine, self.run_dir, self.journal, self.faults, self._event, self.shm
@@ -168,6 +189,7 @@ class Guard:
                 ledger=ledger, durable=self.durable, metrics=self.metrics, heartbeat=self.heartbeat,
                 health=self.health, journal=self.journal,
             )  # fmt: skip
+            self.recovery.hold(held)
             self.lifecycle = Lifecycle(
                 p, comm, self.run_dir, journal=self.journal, keeper=self.keeper,
                 durable=self.durable, heartbeat=self.heartbeat, metrics=self.metrics,
@@ -181,12 +203,11 @@ class Guard:
                 ring_min_steps(p.snapshot),
             )
             self._started = time.monotonic()
-            self._tune_from = (self._started, 0)  # (when, step) of the last tuning
             self._writes_from = 0  # durable writes submitted by the last tuning
             self._step_times: list[tuple[float, bool]] = []  # (seconds, a write in flight)
             self._last_commit: float | None = None
-            self._history = self._job_history() if self.tuner.active else (0, 0.0, None)
-            self._write_cost = self._history[2]  # seconds of training lost per durable write
+            self._history = self._job_history() if self.tuner.active else _History()
+            self._write_cost = self._history.write_cost  # training lost per durable write
             self.lifecycle.start(len(in_ledger), lambda: self.global_step)
         except BaseException:
             self._abandon_start()
@@ -458,11 +479,10 @@ class Guard:
         self._last_commit = None  # the incident's time is not a step's
 
     # ------------------------------------------------------------------ auto intervals --
-    def _job_history(self) -> tuple[int, float, float | None]:
-        """(incidents, seconds, the last measured cost of a durable write) of the job before
-        this process, from the journal (rank 0 reads; every rank gets the same). The cost
-        carries over: a job whose attempts crash before their second write must not
-        measure it from scratch each time."""
+    def _job_history(self) -> _History:
+        """What the job saw before this process, from the journal (rank 0 reads; every rank
+        gets the same). The write cost carries over: a job whose attempts crash before
+        their first write must not measure it from scratch each time."""
         said = None
         if self.comm.rank == 0:
             events = list(read_journal(self.run_dir))
@@ -476,12 +496,16 @@ class Guard:
                 and e["details"].get("tier") == "persist"
                 and e["details"].get("cost_s")
             ]
-            said = (
-                sum(1 for e in events if e["kind"] == "incident"),
-                time.time() - min(starts) if starts else 0.0,
-                costs[-1] if costs else None,
+            supervised = any(e["kind"] == "attempt_start" for e in events)
+            said = _History(
+                incidents=sum(1 for e in events if e["kind"] == "incident"),
+                # The supervisor's restarts (one per attempt, whichever node said it; a
+                # preemption is not one); without it, torchrun's restarts.
+                restarts=len(per_attempt(events, "restart")) if supervised else self.attempt,
+                seconds=time.time() - min(starts) if starts else 0.0,
+                write_cost=costs[-1] if costs else None,
             )
-        out: tuple[int, float, float | None] = self.comm.broadcast_object(said)
+        out: _History = self.comm.broadcast_object(said)
         return out
 
     def _retune(self) -> None:
@@ -489,30 +513,16 @@ class Guard:
         every rank applies the same intervals; a change is journaled with its inputs."""
         p, choice = self.policy, None
         if self.comm.rank == 0:
-            now, (since, from_step) = time.monotonic(), self._tune_from
-            steps = self.global_step - from_step
-            idle = [s for s, w in self._step_times if not w]
-            busy = [s for s, w in self._step_times if w]
-            writes = self.durable.submitted - self._writes_from
-            if idle and busy and writes >= 1:  # the loop's slowdown per durable write
-                excess = sum(busy) - len(busy) * statistics.median(idle)
-                self._write_cost = max(excess / writes, 1e-6)
-            write_s = self._write_cost  # the last measured (an earlier attempt's at first)
-            stalls = list(self.keeper.stalls)
-            every = [s for s, _ in self._step_times]  # commit to commit, no incident inside
-            m = Measured(
-                step_s=statistics.mean(every) if every else (now - since) / max(steps, 1),
-                snapshot_s=statistics.mean(stalls) if stalls else None,
-                write_s=write_s,
-                incidents=self._history[0] + len(self.recovery.incidents),
-                restarts=self.attempt,
-                trained_s=self._history[1] + (now - self._started),
-            )
-            choice = (m, self.tuner.retune(m, p.snapshot.every_steps, p.persist.every_steps))
-        m, chosen = self.comm.broadcast_object(choice)
-        self._tune_from = (time.monotonic(), self.global_step)
+            try:  # never leave the other ranks in the broadcast below
+                choice = self._choose()
+            except Exception as err:
+                logger.warning("every_steps: auto: choosing failed (%r); intervals kept", err)
+        said: tuple[Measured, dict[str, Any]] | None = self.comm.broadcast_object(choice)
         self._writes_from = self.durable.submitted
         self._step_times = []
+        if said is None:
+            return
+        m, chosen = said
         for tier, section in (("snapshot", p.snapshot), ("persist", p.persist)):
             c = chosen.get(tier)
             if c is None or c.every_steps == section.every_steps:
@@ -524,6 +534,32 @@ class Guard:
                 incidents=m.incidents, restarts=m.restarts, trained_s=round(m.trained_s, 1),
             )  # fmt: skip
             section.every_steps = c.every_steps
+
+    def _choose(self) -> tuple[Measured, dict[str, Any]] | None:
+        """Rank 0: what was measured since the last tuning and the intervals it gives
+        (None: no step measured, e.g. right after a rollback)."""
+        every = [s for s, _ in self._step_times]  # commit to commit, no incident inside
+        if not every:
+            return None
+        idle = [s for s, w in self._step_times if not w]
+        busy = [s for s, w in self._step_times if w]
+        writes = self.durable.submitted - self._writes_from
+        if idle and busy and writes >= 1:  # the loop's slowdown per durable write
+            excess = sum(busy) - len(busy) * statistics.median(idle)
+            if excess > 0:  # else noise: keep the last estimate
+                self._write_cost = excess / writes
+        stalls = list(self.keeper.stalls)
+        h = self._history
+        m = Measured(
+            step_s=statistics.mean(every),
+            snapshot_s=statistics.mean(stalls) if stalls else None,
+            write_s=self._write_cost,  # the last measured (an earlier attempt's at first)
+            incidents=h.incidents + len(self.recovery.incidents),
+            restarts=h.restarts,
+            trained_s=h.seconds + (time.monotonic() - self._started),
+        )
+        p = self.policy
+        return m, self.tuner.retune(m, p.snapshot.every_steps, p.persist.every_steps)
 
     # ------------------------------------------------------------------ helpers --------
     def _misuse(self, what: str) -> UsageError:

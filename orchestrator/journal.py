@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from orchestrator.protocol import JOURNAL_DIR, JOURNAL_NAME, node_name, node_path
+from orchestrator.protocol import JOURNAL_DIR, JOURNAL_NAME, METRICS_NAME, node_name, node_path
 
 
 class Journal:
@@ -123,3 +123,17 @@ class Decisions:
     def __call__(self, kind: str, step: int, **details: Any) -> None:
         if self.writer:
             self.journal.write(kind, step, details)
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """Every row of RUN_DIR/metrics.jsonl (a torn last line is skipped)."""
+    path = os.path.join(run_dir, METRICS_NAME)
+    rows = []
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    return rows

@@ -51,6 +51,9 @@ class Metrics:
         self.attempt = attempt
         self._lines: list[str] = []
         self._last: tuple[float, int] | None = None  # (time, step) of the last row
+        # Since the last row (a row stands for metrics.every_steps steps): the checks'
+        # seconds, and the steps run with a durable write in flight.
+        self._check_s, self._writing = 0.0, 0
         self._before: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._low = 0  # consecutive ratios below the threshold
         self._flushed = time.monotonic()
@@ -101,6 +104,8 @@ class Metrics:
         """After a step is applied (or skipped by the loss scaler): one row when due (values
         already on the host), and the update-to-weight ratio when due. Returns the details
         of an ``update_ratio_low`` event to journal, if the ratio just became low."""
+        self._check_s += check_s or 0.0
+        self._writing += 1 if writing else 0
         if not (self.due(step) or self.ratio_due(step)):
             return None
         ratio = self.update_ratio()
@@ -124,11 +129,13 @@ class Metrics:
                 loss_scale=loss_scale() if outcome == "overflow_skip" or step % 50 == 0 else None,
                 update_ratio=ratio,
                 outcome=outcome,
-                # For the goodput ledger: the check's cost, and whether a durable write was
-                # in flight (its interference shows as slower steps).
-                check_s=None if check_s is None else round(check_s, 6),
-                writing=1 if writing else None,
+                # For the goodput ledger, over the steps since the last row: the checks'
+                # cost, and how many ran with a durable write in flight (its interference
+                # shows as slower steps).
+                check_s=None if check_s is None else round(self._check_s, 6),
+                writing=self._writing or None,
             )
+            self._check_s, self._writing = 0.0, 0
         return low
 
     def record(self, step: int, **values: Any) -> None:
@@ -169,17 +176,3 @@ class Metrics:
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p  # FSDP2: this rank's shard
-
-
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    """Every row of RUN_DIR/metrics.jsonl (a torn last line is skipped)."""
-    path = os.path.join(run_dir, METRICS_NAME)
-    rows = []
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    return rows

@@ -25,6 +25,7 @@ ENV_NODE = "ORCHESTRATOR_NODE"
 ENV_SHM_DIR = "ORCHESTRATOR_SHM_DIR"
 # The key that signs durable manifests (HMAC-SHA256); persist.signing_key_file otherwise.
 ENV_SIGNING_KEY = "ORCHESTRATOR_SIGNING_KEY"
+ENV_ALLOW_GLOBALS = "ORCHESTRATOR_ALLOW_GLOBALS"  # more classes engine files may hold
 
 # --- worker exit codes (README "Exit codes"); the supervisor classifies on them -------------
 EXIT_OK = 0

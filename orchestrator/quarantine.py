@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import fsspec
 
@@ -56,3 +57,22 @@ class Ledger:
         with self.fs.open(tmp, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
         self.fs.mv(tmp, self.path)
+
+
+def held_back(
+    events: Iterable[dict[str, Any]], in_ledger: set[int]
+) -> list[tuple[list[int], int, str]]:
+    """Quarantine entries a storage failure kept out of the ledger and the process then
+    died with (the journal has them: ``quarantine`` with ``persisted: false`` and no later
+    ``ledger_written``): what rank 0 writes at start, so no entry is ever lost."""
+    events = list(events)
+    written = {int(i) for e in events if e["kind"] == "ledger_written"
+               for i in e["details"].get("samples", [])}  # fmt: skip
+    out = []
+    for e in events:
+        if e["kind"] == "quarantine" and e["details"].get("persisted") is False:
+            ids = [int(i) for i in e["details"].get("samples", [])]
+            ids = [i for i in ids if i not in written and i not in in_ledger]
+            if ids:
+                out.append((ids, int(e["step"]), str(e["details"].get("reason", "unknown"))))
+    return out

@@ -186,6 +186,7 @@ class Recovery:
                 "quarantine",
                 inc.step,
                 samples=culprits,
+                reason=inc.reason,
                 ledger=self.ledger.url,
                 persisted=written,
                 total=total,
@@ -255,6 +256,13 @@ class Recovery:
             return True
         self._unwritten.append((ids, step, reason))
         return self.flush_ledger(later=False)
+
+    def hold(self, entries: list[tuple[list[int], int, str]]) -> None:
+        """Entries an earlier process could not write (rank 0): write them now, or keep
+        trying with the next ones and at close."""
+        if self.comm.rank == 0 and entries:
+            self._unwritten.extend(entries)
+            self.flush_ledger()
 
     def flush_ledger(self, later: bool = True) -> bool:
         """Write the ledger entries a storage failure held back (rank 0); True if none is

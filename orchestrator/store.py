@@ -45,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import os
 import pickle
 import posixpath
@@ -58,11 +59,18 @@ from typing import IO, Any
 import fsspec
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from orchestrator.codec import decode, dtype_of, encode, tensors_of
 from orchestrator.errors import PersistError
 from orchestrator.protocol import ENV_SIGNING_KEY, SNAPSHOTS_DIR
 from orchestrator.snapshot import Snapshot
+
+logger = logging.getLogger(__name__)
+
+# What reading or writing a snapshot may raise: DCP's CheckpointException (every rank's
+# error, wrapped) is a BaseException; KeyboardInterrupt and SystemExit are not caught.
+SNAPSHOT_ERRORS = (Exception, CheckpointException)
 
 # Each rank writes and reads its own part with DCP's no_dist mode on purpose; DCP warns
 # about that on every call. Only that message, only from DCP.
@@ -86,7 +94,7 @@ def signing_key(key_file: str | None) -> bytes | None:
     Raises:
         PersistError: ``key_file`` cannot be read, or is empty.
     """
-    env = os.environ.get(ENV_SIGNING_KEY)
+    env = os.environ.get(ENV_SIGNING_KEY, "").strip()  # as the file's: no trailing newline
     if env:
         return env.encode()
     if key_file is None:
@@ -297,12 +305,14 @@ class DurableStore:
             "keys": keys,
             "skeleton": skeleton,
             "tensors": {p: [list(t.shape), str(t.dtype)] for p, t in tensors.items()},
-            # What held non-finite values when written (a causal mask's -inf is legitimate):
-            # anything else must read back finite.
+            # What held infinities when written (a causal mask's -inf is legitimate): those
+            # may read back infinite, never NaN; everything else must read back finite.
             "nonfinite": sorted(
                 p
                 for p, t in tensors.items()
-                if t.is_floating_point() and not bool(torch.isfinite(t).all())
+                if t.is_floating_point()
+                and not bool(torch.isfinite(t).all())
+                and not bool(torch.isnan(t).any())
             ),
             "files": files,
         }
@@ -370,6 +380,7 @@ class DurableStore:
         full disk must not fill up further with parts nobody will commit)."""
         d = step_dir(step)
         try:
+            self._fresh()  # an object store's cached listing may predate the commit
             if self.fs.exists(self.path(d, MARKER)):
                 return  # committed after all: never touch it
             for path in (self.path(d, f"rank_{rank}.json"), self.path(d, f"rank_{rank}")):
@@ -377,8 +388,8 @@ class DurableStore:
                     self.fs.rm(path, recursive=True)
             if _is_local(self.fs) and not os.listdir(self.path(d)):
                 os.rmdir(self.path(d))  # the last rank out (another may just be writing: fine)
-        except Exception:  # the store may be the very thing failing; retention cleans up later
-            pass
+        except Exception as err:  # the store may be the very thing failing; retention cleans up
+            logger.debug("removing rank %d's part of step %d failed: %r", rank, step, err)
 
     def free_bytes(self) -> int | None:
         """Free space where a local store writes (None for remote stores)."""
@@ -434,34 +445,43 @@ class DurableStore:
             if committed:
                 try:
                     doc = self._read_json(self.path(name, MANIFEST))
-                    shape = manifest_problem(doc)
-                    problem = (
-                        f"manifest.json is malformed ({shape})"
-                        if shape
-                        else self._signature_problem(doc)
-                    )
+                    problem = self._manifest_problem(doc, step)
                     manifest = None if problem else doc
                 except FileNotFoundError:
                     problem = "manifest.json is missing"
                 except (UnicodeDecodeError, ValueError) as err:
                     problem = f"manifest.json is not valid JSON (corrupt or truncated: {err})"
+                except Exception as err:  # e.g. a manifest nested deep enough to recurse out
+                    problem = f"manifest.json cannot be read ({type(err).__name__}: {err})"
                 if problem is not None:
                     problem = f"snapshot {step}: {problem}"
             out.append(Candidate(step, committed, manifest, problem))
         return sorted(out, key=lambda c: c.step, reverse=True)
 
-    def _signature_problem(self, manifest: dict[str, Any]) -> str | None:
+    def _manifest_problem(self, doc: Any, step: int) -> str | None:
+        """Why the manifest ``doc`` found in ``step``'s directory cannot be trusted (None if
+        it can): its shape, its step, its signature."""
+        shape = manifest_problem(doc)
+        if shape:
+            return f"manifest.json is malformed ({shape})"
+        if doc["step"] != step:  # a snapshot copied or moved under another step's name
+            return f"manifest.json is of step {doc['step']}, not of its directory's step {step}"
         if self.key is None:
             return None  # nothing to check it against: corruption is all a checksum tells
-        sig = manifest.get("signature")
-        if not isinstance(sig, dict) or "mac" not in sig:
+        sig = doc.get("signature")
+        if not isinstance(sig, dict) or not isinstance(sig.get("mac"), str):
             return (
                 "manifest.json is not signed, but a signing key is set: refused (tampered, "
                 "or written before the key was set; to read such snapshots unset "
                 f"${ENV_SIGNING_KEY} and persist.signing_key_file)"
             )
-        if not hmac.compare_digest(str(sig["mac"]), sign(manifest, self.key)):
-            return "manifest.json does not match its signature: tampered (or another key)"
+        # Bytes: compare_digest refuses non-ASCII str, and a tampered mac may hold any text.
+        if not hmac.compare_digest(sig["mac"].encode(), sign(doc, self.key).encode()):
+            return (
+                "manifest.json does not match its signature: tampered, or signed with "
+                f"another key (${ENV_SIGNING_KEY} wins over persist.signing_key_file: check "
+                "that both hold the key the run was written with)"
+            )
         return None
 
     def committed_steps(self) -> list[int]:
@@ -471,9 +491,7 @@ class DurableStore:
     def validate_files(self, step: int, manifest: dict[str, Any], ranks: list[int]) -> None:
         """Sizes and checksums of the files of ``ranks``' parts; raises PersistError."""
         d = step_dir(step)
-        shape = manifest_problem(manifest)
-        problem = f"manifest.json is malformed ({shape})" if shape else None
-        problem = problem or self._signature_problem(manifest)
+        problem = self._manifest_problem(manifest, step)
         if problem is not None:
             raise PersistError(f"snapshot {step}: {problem}")
         for rel, meta in manifest["files"].items():
@@ -487,22 +505,19 @@ class DurableStore:
             path = self.path(d, rel)
             if not self.fs.exists(path):
                 raise PersistError(f"snapshot {step}: {rel} is missing")
+            # With a key the manifest is authentic, so a file that differs was changed.
+            manifest_, verdict = (
+                ("the signed manifest", "tampered") if self.key else ("the manifest", "corrupt")
+            )
             size = self.fs.size(path)
             if meta["size"] is not None and size != meta["size"]:
                 raise PersistError(
-                    f"snapshot {step}: {rel} has {size} bytes, the "
-                    + (
-                        f"signed manifest says {meta['size']}: tampered"
-                        if self.key is not None
-                        else f"manifest says {meta['size']}: corrupt (truncated?)"
-                    )
+                    f"snapshot {step}: {rel} has {size} bytes, {manifest_} says "
+                    f"{meta['size']}: {verdict}" + ("" if self.key else " (truncated?)")
                 )
             if self._sha(path) != meta["sha256"]:
                 raise PersistError(
-                    f"snapshot {step}: {rel} does not match its sha256 in the signed manifest: "
-                    "tampered"
-                    if self.key is not None
-                    else f"snapshot {step}: {rel} does not match its sha256: corrupt"
+                    f"snapshot {step}: {rel} does not match its sha256 in {manifest_}: {verdict}"
                 )
 
     def load_part(self, step: int, rank: int) -> dict[str, Any]:
@@ -532,11 +547,13 @@ class DurableStore:
                 tree[key] = decode(enc, template)
         allowed = set(doc.get("nonfinite", []))  # parts written before the list: none
         for path, t in template.items():
-            if path in allowed or not t.is_floating_point():
+            if not t.is_floating_point() or bool(torch.isfinite(t).all()):
                 continue
-            if not bool(torch.isfinite(t).all()):
+            if path not in allowed or bool(torch.isnan(t).any()):
                 raise PersistError(
-                    f"snapshot {step}: tensor {path} of rank {rank} holds non-finite values"
+                    f"snapshot {step}: tensor {path} of rank {rank} holds "
+                    + ("NaN" if bool(torch.isnan(t).any()) else "infinite values")
+                    + " that it did not hold when written: corrupt"
                 )
         return tree
 
@@ -558,12 +575,6 @@ class DurableStore:
             if self.fs.exists(manifest):
                 self.fs.rm(manifest)
 
-    def uncommit_after(self, step: int) -> list[int]:
-        """Withdraw every committed snapshot newer than ``step``; returns their steps."""
-        gone = self.committed_after(step)
-        self.uncommit(gone)
-        return gone
-
     def _delete(self, step: int, during: int) -> None:
         # The marker goes first: a half-deleted snapshot must never look committed.
         marker = self.path(step_dir(step), MARKER)
@@ -584,11 +595,7 @@ class DurableStore:
             self.validate_files(cand.step, cand.manifest, ranks)
             for r in ranks:
                 self.load_part(cand.step, r)
-        except Exception as err:  # whatever a damaged snapshot makes a reader raise
-            return str(err)
-        except BaseException as err:  # DCP's CheckpointException is a BaseException
-            if isinstance(err, (KeyboardInterrupt, SystemExit)):
-                raise
+        except SNAPSHOT_ERRORS as err:  # whatever a damaged snapshot makes a reader raise
             return str(err)
         return None
 
@@ -647,6 +654,9 @@ class _SafeMetadata:
         )
         with self.fs.create_stream(path, "rb") as f:
             metadata = read_dcp_metadata(f)
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            # DCP opens what the metadata names: it must not leave the part's directory.
+            safe_rel(getattr(info, "relative_path", None), f"{path}")
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 

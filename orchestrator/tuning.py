@@ -77,12 +77,15 @@ def choose(
     best = daly_interval_s(cost_s, mtbf)
     steps = max(1, round(best / step_s)) if step_s > 0 else hi
     why = None
-    if steps < lo:
-        steps, why = lo, "min"
     if steps > hi:
         steps, why = hi, "max"
+    if steps < lo:  # the minimum wins: below it the ring would have nothing sealed
+        steps, why = lo, "min"
     if multiple_of > 1 and steps % multiple_of:
-        steps = max(multiple_of, round(steps / multiple_of) * multiple_of)
+        down = max(multiple_of, steps // multiple_of * multiple_of)
+        up = down + multiple_of
+        # The nearer multiple that keeps the bounds (up only past hi if down is below lo).
+        steps = up if (steps - down > up - steps and up <= hi) or down < lo else down
         why = why or "multiple"
     return Choice(steps, best, cost_s, mtbf, step_s, why)
 
@@ -153,7 +156,7 @@ def resolve_auto(policy: Any) -> Any:
     p = policy.model_copy(deep=True)
     t = p.tune
     if p.snapshot.auto_every_steps:
-        p.snapshot.every_steps = t.initial_snapshot_steps
+        p.snapshot.every_steps = max(t.initial_snapshot_steps, ring_min_steps(p.snapshot))
     if p.persist.auto_every_steps:
         snap = p.snapshot.every_steps
         p.persist.every_steps = max(snap, round(t.initial_persist_steps / snap) * snap)

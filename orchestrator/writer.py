@@ -5,6 +5,7 @@ order with invalidations, retrying transient storage errors. It never decides on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from tenacity import RetryCallState, Retrying
-from torch.distributed.checkpoint.api import CheckpointException
 
 from orchestrator.faults import FaultInjector
 from orchestrator.journal import Journal
@@ -22,7 +22,7 @@ from orchestrator.logs import RankLogger
 from orchestrator.policy_sections import PersistPolicy
 from orchestrator.retry import is_transient, storage_retry
 from orchestrator.snapshot import Snapshot
-from orchestrator.store import DurableStore
+from orchestrator.store import SNAPSHOT_ERRORS, DurableStore
 
 logger = logging.getLogger(__name__)
 
@@ -175,9 +175,8 @@ class Persister:
                     self._persist(task)
                 else:
                     self._invalidate(step)
-            # Keep the thread alive (a dead writer would hang every rank waiting for it);
-            # DCP raises its CheckpointException, a BaseException, for a failed write.
-            except (Exception, CheckpointException) as err:
+            # Keep the thread alive (a dead writer would hang every rank waiting for it).
+            except SNAPSHOT_ERRORS as err:
                 self.failed = self.failed or isinstance(task, _Write)
                 said = {"error": repr(err), "url": self.store.url, "transient": is_transient(err)}
                 if isinstance(task, _Write):  # a full disk must not fill up with dead parts
@@ -282,6 +281,20 @@ class Persister:
             self.policy.commit_timeout_s,
         )
         self.done.add(snap.step)
+        try:
+            self._after_commit(snap, manifest, nbytes, written, t0)
+        except Exception as err:  # committed: a failure after it must not discard the step
+            self.log.error("snapshot %d committed; what follows it failed: %r", snap.step, err)
+            with contextlib.suppress(Exception):  # the journal's disk may be what failed
+                self.journal.write(
+                    "persist_prune_failed", snap.step, {"error": repr(err), "url": self.store.url}
+                )
+
+    def _after_commit(
+        self, snap: Snapshot, manifest: dict[str, Any], nbytes: int, written: float, t0: float
+    ) -> None:
+        """Journal a committed write and apply retention (and the faults that act on a
+        committed snapshot)."""
         if self.faults.truncate_due(snap.step):
             self.faults.truncate(self.store, snap.step)
         how = self.faults.corrupt_manifest_due(snap.step)

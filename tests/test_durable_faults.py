@@ -21,7 +21,7 @@ from inproc import train as train_inproc
 from conftest import DS_EXAMPLE, assert_bitwise_equal, final_states, kinds, train
 from orchestrator.audit import audit
 from orchestrator.protocol import ENV_SIGNING_KEY
-from orchestrator.store import MANIFEST, DurableStore, step_dir
+from orchestrator.store import MANIFEST, DurableStore, signing_key, step_dir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -143,18 +143,89 @@ def test_a_signed_manifest_tells_tampered_from_corrupt(
     said = str(unsigned.check(unsigned.candidates()[0]))
     assert "corrupt" in said and "tamper" not in said
     # The manifest rewritten to match (what a tamperer does): only the signature can tell.
-    name = f"rank_0/{part.name}"
-    import hashlib
-
-    doc["files"][name]["sha256"] = hashlib.sha256(part.read_bytes()).hexdigest()
-    manifest.write_text(json.dumps(doc))
+    _match_manifest(manifest.parent, f"rank_0/{part.name}")
     assert "does not match its signature: tampered" in str(signed.candidates()[0].problem)
-    # Unsigned snapshots are refused once a key is set; the resume says why and stops.
+    # A mac that is not even ASCII is refused the same way (compare_digest would raise).
+    doc = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**doc, "signature": {"alg": "hmac-sha256", "mac": "é"}}))
+    assert "does not match its signature" in str(signed.candidates()[0].problem)
+    # Unsigned snapshots are refused once a key is set: the Guard's resume (the key from
+    # the policy's file) says why and takes the older, signed step 10.
     del doc["signature"]
     manifest.write_text(json.dumps(doc))
     assert "not signed" in str(signed.candidates()[0].problem)
-    monkeypatch.setenv(ENV_SIGNING_KEY, "another key")  # the variable wins over the file
-    assert "tampered" in str(DurableStore(url, key=b"another key").candidates()[1].problem)
+    train_inproc(run, policy, steps=25)
+    (bad,) = events(run, "snapshot_invalid")
+    assert bad["details"]["snapshot_step"] == 20 and "not signed" in bad["details"]["reasons"][0]
+    assert events(run, "resume")[0]["details"]["snapshot_step"] == 10
+    # The variable wins over the file (and is stripped as the file is); every snapshot
+    # signed with the file's key then reads as tampered or signed with another key.
+    monkeypatch.setenv(ENV_SIGNING_KEY, "another key\n")
+    assert signing_key(str(key_file)) == b"another key"
+    other = DurableStore(url, key=signing_key(str(key_file)))
+    assert all("another key" in str(c.problem) for c in other.candidates() if c.committed)
+
+
+def test_a_snapshot_moved_under_another_step_is_refused(tmp_path: Path) -> None:
+    """A committed, signed step 10 copied into step 30's directory (an old snapshot passed
+    off as a newer one): its manifest names step 10, so the copy is refused, key or not."""
+    train_inproc(tmp_path, {"persist": {"every_steps": 10}}, steps=20)
+    snaps = tmp_path / "snapshots"
+    shutil.copytree(snaps / step_dir(10), snaps / step_dir(30))
+    store = DurableStore(str(snaps))
+    (moved,) = [c for c in store.candidates() if c.step == 30]
+    assert moved.manifest is None and "not of its directory's step 30" in str(moved.problem)
+    guard, _, _ = train_inproc(tmp_path, {"persist": {"every_steps": 10}}, steps=25)
+    assert events(tmp_path, "resume")[0]["details"]["snapshot_step"] == 20
+    assert guard.global_step == 25
+
+
+def test_dcp_metadata_naming_files_outside_the_part_is_refused(tmp_path: Path) -> None:
+    """A .metadata (checksum made to match) whose entries point outside the part's
+    directory: refused before DCP opens anything there."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    train_inproc(tmp_path, {"persist": {"every_steps": 10}}, steps=10)
+    snap = tmp_path / "snapshots" / step_dir(10)
+    metadata = FileSystemReader(str(snap / "rank_0")).read_metadata()
+    (info, *_) = metadata.storage_data.values()
+    info.relative_path = "../../../outside.distcp"
+    (snap / "rank_0" / ".metadata").write_bytes(pickle.dumps(metadata))
+    _match_manifest(snap, "rank_0/.metadata")
+    store = DurableStore(str(tmp_path / "snapshots"))
+    assert "leaves the snapshot's directory" in str(store.check(store.candidates()[0]))
+
+
+def test_a_nan_where_an_infinity_was_written_is_refused(tmp_path: Path) -> None:
+    """A part may record tensors that legitimately held infinities (a causal mask): those
+    may read back infinite, never NaN."""
+    train_inproc(tmp_path, {"persist": {"every_steps": 10}}, steps=10)
+    snap = tmp_path / "snapshots" / step_dir(10)
+    index = snap / "rank_0.json"
+    doc = json.loads(index.read_text())
+    name = next(p for p, (shape, dt) in doc["tensors"].items() if "float" in dt and shape)
+    store = DurableStore(str(tmp_path / "snapshots"))
+    tree = store.load_part(10, 0)  # intact
+    assert tree
+    doc["nonfinite"] = [name]  # as if it had held an infinity when written
+    index.write_text(json.dumps(doc))
+    _match_manifest(snap, "rank_0.json")
+    assert store.check(store.candidates()[0]) is None  # finite is still fine
+    reader = snap / "rank_0"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    template = {p: torch.empty(s, dtype=getattr(torch, dt.split(".")[-1]))
+                for p, (s, dt) in doc["tensors"].items()}  # fmt: skip
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(template, storage_reader=FileSystemReader(str(reader)), no_dist=True)
+    template[name].view(-1)[0] = float("nan")
+    shutil.rmtree(reader)
+    dcp.save(template, storage_writer=dcp.FileSystemWriter(str(reader)), no_dist=True)
+    for f in reader.iterdir():
+        _match_manifest(snap, f"rank_0/{f.name}")
+    said = str(store.check(store.candidates()[0]))
+    assert f"tensor {name} of rank 0 holds NaN" in said
 
 
 class _Evil:
@@ -218,6 +289,7 @@ def test_a_tampered_deepspeed_file_is_refused_without_running_it(tmp_path: Path)
     assert "signature: tampered" in str(signed.candidates()[0].problem)
     said = str(unsigned.check(unsigned.candidates()[0]))
     assert "refused without loading it" in said and "tamper" not in said
+    assert "posix.system" in said  # the global it would have called, named
     assert not marker.exists()
 
     # The Guard resumes past it, unsigned (the key unset: the payload reaches load_native).
@@ -248,3 +320,59 @@ def test_dcp_metadata_that_would_run_code_is_refused_even_with_a_matching_checks
     store = DurableStore(str(tmp_path / "snapshots"))
     assert "refused without loading it" in str(store.check(store.candidates()[0]))
     assert not marker.exists()
+
+
+def test_a_class_outside_the_allow_list_is_named_and_can_be_allowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine file holding a class nobody allowed (a new engine release's, say) is
+    refused naming the class and the way to allow it; allowed by name, it loads."""
+    import datetime
+    import io
+
+    from orchestrator.engines.native import load_native
+    from orchestrator.errors import PersistError
+    from orchestrator.protocol import ENV_ALLOW_GLOBALS
+
+    data = io.BytesIO()
+    torch.save({"kept": datetime.timedelta(days=1)}, data)
+    with pytest.raises(PersistError, match=f"holds datetime.timedelta.*{ENV_ALLOW_GLOBALS}"):
+        load_native(io.BytesIO(data.getvalue()), "optim.pt")
+    monkeypatch.setenv(ENV_ALLOW_GLOBALS, "datetime.timedelta")
+    assert load_native(io.BytesIO(data.getvalue()), "optim.pt") == {
+        "kept": datetime.timedelta(days=1)
+    }
+
+
+def test_ledger_entries_a_storage_failure_held_back_are_written_at_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """The ledger cannot be written (its folder is a file): the quarantine holds in memory,
+    the journal says so (persisted: false, ledger_failed), and the run ends with the entry
+    unwritten. The next start, the storage fixed, writes it from the journal (no entry
+    lost; ledger_written) and keeps skipping those samples."""
+    from inproc import Regression
+
+    from orchestrator.data import GuardBatchSampler
+    from orchestrator.quarantine import Ledger
+
+    bad = GuardBatchSampler(256, 8, rank=0, world_size=1, seed=1).batch_at(0, 25 * 8)[0]
+    blocker = tmp_path / "ledger"
+    blocker.write_text("a file where the ledger's folder should be")
+    policy = {
+        "detect": {"spike": {"enabled": True, "window": 16, "min_history": 8, "zscore": 8.0}},
+        "quarantine": {"ledger_url": str(blocker / "quarantine.jsonl")},
+    }
+    run = tmp_path / "run"
+    train_inproc(run, policy, steps=30, dataset=Regression(spike=bad[3]))
+    (q,) = events(run, "quarantine")
+    assert q["details"]["samples"] == bad and q["details"]["persisted"] is False
+    assert events(run, "ledger_failed") and not events(run, "ledger_written")
+    blocker.unlink()
+    blocker.mkdir()
+    guard, _, _ = train_inproc(run, policy, steps=35, dataset=Regression(spike=bad[3]))
+    (written,) = events(run, "ledger_written")
+    assert written["details"]["samples"] == bad
+    assert Ledger(str(blocker / "quarantine.jsonl")).load() == set(bad)
+    assert set(bad) <= guard.cursor.quarantined and len(events(run, "incident")) == 1
+    assert audit(str(run), ledger_url=str(blocker / "quarantine.jsonl")) == []

@@ -25,7 +25,7 @@ from test_supervisor import launch_cmd
 from conftest import EXAMPLE, free_port, kinds, run, spawn, wait
 from orchestrator.goodput import KINDS, run_ledger
 from orchestrator.heartbeat import progress_time, read_heartbeats
-from orchestrator.metrics import read_metrics
+from orchestrator.journal import read_metrics
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -310,3 +310,49 @@ def test_tensorboard_scalars(tmp_path: Path) -> None:
     rows = read_metrics(str(tmp_path / "run"))
     assert [round(s.value, 4) for s in loss] == [round(r["loss"], 4) for r in rows]
     assert {"grad_norm", "lr"} <= set(acc.Tags()["scalars"])
+
+
+def _ev(t: float, kind: str, attempt: int, step: int = 0, rank: int = 0, **details: Any) -> dict:
+    return {"time": t, "kind": kind, "attempt": attempt, "step": step, "rank": rank,
+            "details": details}  # fmt: skip
+
+
+def test_a_resume_from_before_a_rollback_counts_the_replayed_work_once() -> None:
+    """A hand-built journal (no training): attempt 0 rolls back from 25 to 10 (its work
+    since step 10's snapshot replayed), then crashes; attempt 1 resumes from step 10, so
+    everything since step 10's capture is lost, the replayed span inside it included. Each
+    second counts once: the parts sum to the wall, none negative. Rows every 5 steps
+    (metrics.every_steps: 5) carry the checks and write counts of all 5 steps."""
+    events = [
+        _ev(0.0, "attempt_start", 0, rank=-1),
+        _ev(1.0, "first_step", 0),
+        _ev(2.0, "snapshot", 0, step=10, stall_ms=0.0),
+        _ev(3.0, "snapshot", 0, step=20, stall_ms=0.0),
+        _ev(3.6, "rollback", 0, step=25, to_step=10),
+        _ev(4.0, "recovered", 0, step=10, incident={"started_at": 3.5}),
+        _ev(8.0, "attempt_end", 0, rank=-1, outcome="crash", ended_at=8.0, progress_time=7.5),
+        _ev(9.0, "attempt_start", 1, rank=-1),
+        _ev(9.5, "resume", 1, step=10, snapshot_step=10),
+        _ev(10.0, "first_step", 1),
+        _ev(15.0, "attempt_end", 1, rank=-1, outcome="ok", ended_at=15.0),
+    ]
+    rows = [
+        {"time": 1.0 + i, "step": 5 * (i + 1), "attempt": 0, "step_s": 0.2, "check_s": 0.05,
+         "writing": 5 if i == 2 else None} for i in range(3)
+    ] + [
+        {"time": 10.0 + i, "step": 10 + 5 * i, "attempt": 1, "step_s": 0.2, "check_s": 0.05}
+        for i in range(5)
+    ]  # fmt: skip
+    from orchestrator.goodput import ledger
+
+    led = ledger(events, rows)
+    assert led.wall_s == pytest.approx(15.0)
+    assert sum(led.parts.values()) == pytest.approx(led.wall_s)
+    assert all(v >= 0 for v in led.parts.values()), led.parts
+    by = led.by_attempt
+    assert by[("replayed", 0)] == pytest.approx(1.5 - 0.1)  # 2.0 to 3.5, less 2 rows' checks
+    assert by[("incident", 0)] == pytest.approx(0.5)
+    # 2.0 to 7.5 is lost, less the replayed span, the incident and the checks (the rows at
+    # 2, 3 s; the one at 1 s came before) already counted as what they are
+    inside = by[("replayed", 0)] + by[("incident", 0)] + by[("check", 0)] - 0.05
+    assert by[("lost", 0)] + inside == pytest.approx(5.5)

@@ -140,4 +140,4 @@ def test_a_rank_that_never_enters_the_check_is_named_and_nothing_hangs(tmp_path:
     assert health_event["details"]["absent"] == {"1": event["details"]["hosts"][0]}
     assert health_event["details"]["seconds"] < timeout_s + 10
     (fault,) = kinds(d, "fault")
-    assert fault["rank"] == 1 and fault["details"]["key"] == "miss_health:r1"
+    assert fault["rank"] == 1 and fault["details"]["key"] == "miss_health:rank=1"

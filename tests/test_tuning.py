@@ -105,3 +105,23 @@ def test_an_unmeasured_durable_cost_is_probed_at_the_next_snapshot() -> None:
         Measured(**{**m.__dict__, "write_s": 0.05}), snapshot_steps=snap, persist_steps=snap
     )
     assert measured["persist"].bounded_by != "probe" and measured["persist"].cost_s == 0.05
+
+
+def test_bounds_hold_together_whatever_the_multiple() -> None:
+    """Rounding to a multiple of the ring's interval never crosses the maximum, and the
+    ring's minimum (below it nothing would be sealed) wins over a smaller maximum; the
+    starting interval of ``auto`` respects that minimum too."""
+    from orchestrator.policy import parse_policy
+    from orchestrator.tuning import resolve_auto, ring_min_steps
+
+    for hi, multiple in ((20_000, 700), (100, 60), (45, 10), (7, 3)):
+        c = choose(1.0, 1e12, 1.0, lo=multiple, hi=hi, multiple_of=multiple)
+        assert c.every_steps <= hi and c.every_steps % multiple == 0, (hi, multiple, c)
+    assert choose(1.0, 1e12, 1.0, lo=50, hi=20).every_steps == 50
+    p = parse_policy({
+        "snapshot": {"every_steps": "auto", "seal_after_steps": 50, "keep": 2},
+        "persist": {"every_steps": "auto"},
+    })  # fmt: skip
+    auto = resolve_auto(p)
+    assert auto.snapshot.every_steps >= ring_min_steps(auto.snapshot) == 50
+    assert auto.persist.every_steps % auto.snapshot.every_steps == 0

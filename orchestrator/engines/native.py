@@ -11,12 +11,15 @@ anything else is refused before any of it is built.
 from __future__ import annotations
 
 import importlib
+import os
 import pickle
+import re
 from typing import IO, Any
 
 import torch
 
 from orchestrator.errors import PersistError
+from orchestrator.protocol import ENV_ALLOW_GLOBALS
 
 # What DeepSpeed 0.19's checkpoint files pickle besides tensors and plain values (found with
 # torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 1/2/3, fp16 and bf16 files).
@@ -34,7 +37,8 @@ def _allowed() -> list[Any]:
     array reconstruction (RNG states hold numpy arrays): it builds an ndarray of an allowed
     dtype, nothing else (torch's documented allow-list for numpy)."""
     out = []
-    for name in ALLOWED_GLOBALS:
+    more = [n.strip() for n in os.environ.get(ENV_ALLOW_GLOBALS, "").split(",") if n.strip()]
+    for name in (*ALLOWED_GLOBALS, *more):
         module, _, attr = name.rpartition(".")
         try:
             out.append(getattr(importlib.import_module(module), attr))
@@ -65,10 +69,13 @@ def load_native(f: IO[bytes], name: str = "", extra: tuple[Any, ...] = ()) -> An
         with torch.serialization.safe_globals([*_allowed(), *extra]):
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        what = found.group(1) if found else str(err).splitlines()[0][:300]
         raise PersistError(
-            f"{name or 'an engine checkpoint file'} holds objects outside the allowed "
-            f"classes, refused without loading it (it could run code): "
-            f"{str(err).splitlines()[0][:300]}"
+            f"{name or 'an engine checkpoint file'} holds {what}, outside the allowed "
+            "classes: refused without loading it (it could run code). If your own run wrote "
+            "it with an engine release that pickles a new plain data class, check the class "
+            f"and allow it by name: {ENV_ALLOW_GLOBALS}=module.Class"
         ) from err
     except (RuntimeError, EOFError, ValueError) as err:
         raise PersistError(f"{name or 'an engine checkpoint file'} is unreadable: {err}") from err
