@@ -395,10 +395,15 @@ class Supervisor:
                     preexec_fn=die_with_parent,  # nothing outlives a SIGKILLed supervisor
                 )
             except OSError as err:  # not found, not executable: no attempt can succeed
+                found = shutil.which(self.cmd[0]) or os.path.isfile(self.cmd[0])
+                hint = (
+                    "the file is there, so its interpreter (its #! line) was not found"
+                    if isinstance(err, FileNotFoundError) and found
+                    else "on PATH? executable?"
+                )
                 self._cannot_start = (
                     f"cannot start {self.cmd[0]!r}: {err.strerror or err} "
-                    f"({type(err).__name__}); check the command after `--` (on PATH? "
-                    "executable?)"
+                    f"({type(err).__name__}); check the command after `--` ({hint})"
                 )
                 return Attempt(attempt, 127, CRASH, None, 0.0)
             if self._signals:  # a signal came while we were starting it

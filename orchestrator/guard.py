@@ -228,8 +228,10 @@ class Guard:
         ):
             try:
                 close()
-            except Exception:  # not built yet (AttributeError), or closing failed: go on
-                pass
+            except AttributeError:
+                pass  # not built yet
+            except Exception as err:  # closing failed: say so, go on with the rest
+                logger.debug("abandoning a failed start: %r", err)
 
     # ------------------------------------------------------------------ public API ----
     @property

@@ -23,6 +23,13 @@ def _auto(data: Any, placeholder: int) -> Any:
     return data
 
 
+def _int_or_auto(cls: Any, value: Any) -> Any:
+    """``every_steps`` (after :func:`_auto`): an integer, said so with ``auto`` named."""
+    if isinstance(value, str) and not value.strip().isdigit():  # "10" still reads as 10
+        raise ValueError(f"{value!r} is neither an integer nor auto")
+    return value
+
+
 class SnapshotPolicy(_Section):
     every_steps: int = Field(
         10,
@@ -70,6 +77,8 @@ class SnapshotPolicy(_Section):
         "node that is replaced or loses its ring resumes from that copy instead of the "
         "durable tier. Needs shared_memory and the supervisor under several nodes.",
     )
+
+    _every = field_validator("every_steps", mode="before")(classmethod(_int_or_auto))
 
     @model_validator(mode="before")
     @classmethod
@@ -371,6 +380,8 @@ class PersistPolicy(_Section):
         "then refused as tampered, and unsigned ones are refused. Without a key a "
         "checksum can only say corrupt.",
     )
+
+    _every = field_validator("every_steps", mode="before")(classmethod(_int_or_auto))
 
     @model_validator(mode="before")
     @classmethod

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,25 @@ def train_cmd(
             *extra,
         ]
     return cmd, env
+
+
+@pytest.fixture(scope="session")
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
+    """``clean_run(steps)``: the run directory of an uninterrupted 2-rank run of the example
+    (the LR kept on incidents, durable snapshots every 10 steps), what a run with faults
+    must equal bit for bit; each length trained once per session."""
+    runs: dict[int, Path] = {}
+
+    def get(steps: int) -> Path:
+        if steps not in runs:
+            d = tmp_path_factory.mktemp(f"clean{steps}") / "run"
+            policy = {"adjust": {"lr_factor": 1.0}, "persist": {"every_steps": 10}}
+            r = train(d, 2, "--steps", str(steps), policy=policy)
+            assert r.returncode == 0, r.stdout[-3000:]
+            runs[steps] = d
+        return runs[steps]
+
+    return get
 
 
 def journal(run_dir: Path) -> list[dict[str, Any]]:

@@ -134,6 +134,7 @@ class Endpoint:
         self._conns: set[socket.socket] = set()
         self._throttled = 0
         self.throttled_total = 0
+        self.requests_total = 0  # requests that reached the proxy (retries show here)
         self._listener: socket.socket | None = None
         self.start()
 
@@ -179,6 +180,7 @@ class Endpoint:
             if request is None:
                 return
             with self._lock:
+                self.requests_total += 1
                 throttle = self._throttled > 0
                 if throttle:
                     self._throttled -= 1

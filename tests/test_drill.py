@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import kinds, run
+from conftest import assert_bitwise_equal, final_states, kinds, run
 from launch.drill import BEGIN, END, QUICK, update_readme
 
 pytestmark = pytest.mark.timeout(900)
@@ -26,9 +26,12 @@ def test_the_quick_drill_passes(tmp_path: Path) -> None:
     doc = json.loads((out / "drill.json").read_text())
     cells = {c["fault"]: c for c in doc["cells"]}
     assert list(cells) == list(QUICK) and {c["engine"] for c in doc["cells"]} == {"ddp"}
+    clean = final_states(out / "ddp" / "_clean")
     for name, c in cells.items():
         assert c["passed"] and c["data_lost"] == [], (name, c)
         assert c["bitwise"] == "yes", (name, c)  # every quick fault promises it
+        for a, b in zip(clean, final_states(Path(c["run_dir"])), strict=True):
+            assert_bitwise_equal(a, b, name)  # checked here too, not only by the drill
         assert c["steps_lost"] is not None and c["recovery_s"] is not None, (name, c)
     assert cells["preempt"]["exit_codes"] == [73, 0] and cells["preempt"]["steps_lost"] == 0
     assert cells["nan"]["steps_lost"] == 3 and cells["crash"]["steps_lost"] == 7
@@ -51,3 +54,40 @@ def test_a_readme_without_the_markers_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="drill:begin"):
         update_readme(readme, "| table |")
     assert readme.read_text() == "no markers\n"
+
+
+def test_the_drills_bit_for_bit_check_sees_one_flipped_bit(tmp_path: Path) -> None:
+    """The drill's verdict compares whole tensors as bytes: a flipped bit, -0.0 for 0.0 (equal
+    as numbers), another NaN payload, another dtype or a missing rank's file are all a
+    difference; the same state saved twice is not."""
+    import torch
+
+    from launch.drill import _same_final
+
+    state = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(), "step": 7,
+             "opt": [torch.zeros(3), {"lr": 0.1}]}  # fmt: skip
+
+    def save(name: str, tree: dict, ranks: int = 2) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        for r in range(ranks):
+            torch.save(tree, d / f"rank{r}.pt")
+        return d
+
+    ref = save("ref", state)
+    assert _same_final(ref, save("same", state))
+    flipped = state["w"].clone()
+    flipped.view(torch.int32)[0, 0] ^= 1
+    neg_zero = [torch.tensor([-0.0, 0.0, 0.0]), {"lr": 0.1}]
+    nan_a = torch.tensor([float("nan")])
+    nan_b = nan_a.clone()
+    nan_b.view(torch.int32)[0] ^= 1  # still a NaN, other bits
+    for name, tree in [
+        ("flipped", {**state, "w": flipped}),
+        ("negzero", {**state, "opt": neg_zero}),
+        ("dtype", {**state, "w": state["w"].double()}),
+        ("step", {**state, "step": 8}),
+    ]:
+        assert not _same_final(ref, save(name, tree)), name
+    assert not _same_final(save("nan_a", {"x": nan_a}), save("nan_b", {"x": nan_b}))
+    assert not _same_final(ref, save("one_rank", state, ranks=1))

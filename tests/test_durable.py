@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,8 @@ PERSIST = {"adjust": {"lr_factor": 1.0}, "persist": {"every_steps": 10, "keep": 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("clean") / "run"
-    r = train(d, 2, *STEPS, policy=PERSIST)
-    assert r.returncode == 0, r.stdout[-3000:]
-    return d
+def uninterrupted(clean_run: Callable[[int], Path]) -> Path:
+    return clean_run(60)  # PERSIST's keep does not change what is trained
 
 
 # covered by default: tests/test_durable_faults.py (kills, the same command resumes bit

@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,8 @@ PERSIST = {"adjust": {"lr_factor": 1.0}, "persist": {"every_steps": 10, "keep": 
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("clean") / "run"
-    r = train(d, 2, *STEPS, policy=PERSIST)
-    assert r.returncode == 0, r.stdout[-3000:]
-    return d
+def uninterrupted(clean_run: Callable[[int], Path]) -> Path:
+    return clean_run(40)
 
 
 @pytest.mark.parametrize(

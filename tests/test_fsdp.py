@@ -157,6 +157,8 @@ def test_fsdp1_isolation_reruns_then_a_rollback_and_a_resume_bit_for_bit(tmp_pat
     assert train(d, 2, *steps, policy=policy).returncode != 0
     (inc,) = kinds(d, "incident")
     assert inc["step"] == 23 and kinds(d, "rollback")[0]["details"]["to_step"] == 20
+    # The isolation re-runs this test is about did run (forwards with no backward).
+    assert kinds(d, "recovered")[0]["details"]["incident"]["probe_steps"] > 0
     r = train(d, 2, *steps, policy=policy)
     assert r.returncode == 0, r.stdout[-3000:]
     assert not kinds(d, "snapshot_invalid")

@@ -137,6 +137,36 @@ def test_mutated_policies_load_or_fail_naming_the_path(tmp_path: Path) -> None:
             pytest.fail(f"{path} ({body[:200]!r}): {type(err).__name__}: {err}")
 
 
+def test_every_misspelt_key_is_refused_by_name(tmp_path: Path) -> None:
+    """Loads-or-fails would also pass a policy whose misspelt key is silently ignored (its
+    setting then never applies): every key of the default policy, renamed, is refused with
+    the new name in the message."""
+    import copy
+
+    doc = {**DEFAULT, "faults": [{"kind": "crash", "step": 5}]}
+    keys = [p for p in _paths(doc)[1:] if not isinstance(p[-1], int)]
+    assert len(keys) > 50
+    for i, key in enumerate(keys):
+        bad = copy.deepcopy(doc)
+        parent = bad
+        for part in key[:-1]:
+            parent = parent[part]
+        parent[f"{key[-1]}_typo"] = parent.pop(key[-1])
+        path = tmp_path / f"typo{i}.yaml"
+        path.write_text(yaml.safe_dump(bad))
+        with pytest.raises(PolicyError, match=f"{key[-1]}_typo"):
+            load_policy(path)
+
+
+@pytest.mark.parametrize("body", [b for b in SPECIAL if b"hang_timeout_s" in b or b"keep: 1000" in b
+                                  or b"python/object" in b or b"[" * 100 in b])  # fmt: skip
+def test_the_known_bad_specials_are_refused(tmp_path: Path, body: bytes) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_bytes(body)
+    with pytest.raises(PolicyError, match=str(path)):
+        load_policy(path)
+
+
 def test_a_bad_field_is_named_by_its_yaml_path(tmp_path: Path) -> None:
     cases = {
         b"supervisor: {hang_timeout_s: -5}": "supervisor.hang_timeout_s",

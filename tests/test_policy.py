@@ -68,6 +68,7 @@ def test_validate_ok(tmp_path: Path) -> None:
     [
         ("snapshot:\n  evry_steps: 5\n", "snapshot.evry_steps"),
         ("snapshot:\n  every_steps: ten\n", "snapshot.every_steps"),
+        ("persist:\n  every_steps: Auto\n", "persist.every_steps"),  # auto, misspelt
         ("snapshot:\n  every_steps: 0\n", "snapshot.every_steps"),
         ("adjust:\n  lr_factor: 1.5\n", "adjust.lr_factor"),
         ("faults:\n  - {kind: nan_grad, rank: 1}\n", "faults[0].step"),
