@@ -20,9 +20,13 @@ class Locked(Exception):
     """Another supervisor holds the lock; the message says which and what to do."""
 
 
+def lock_path(run_dir: str, node: str) -> str:
+    return os.path.join(os.path.abspath(run_dir), SUPERVISORS_DIR, f"{node}.lock")
+
+
 class SupervisorLock:
     def __init__(self, run_dir: str, node: str) -> None:
-        self.path = os.path.join(os.path.abspath(run_dir), SUPERVISORS_DIR, f"{node}.lock")
+        self.path = lock_path(run_dir, node)
         self.node = node
         self._fd: int | None = None
 
@@ -56,6 +60,18 @@ class SupervisorLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor releases the flock
             self._fd = None
+
+
+def holder(path: str) -> dict[str, str]:
+    """Who holds (or last held) the lock file ``path``: pid, host, node, since; {} if none."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return {}
+    try:
+        return _read(fd)
+    finally:
+        os.close(fd)
 
 
 def _read(fd: int) -> dict[str, str]:

@@ -30,6 +30,8 @@ from tenacity import wait_exponential_jitter
 from launch.alerts import Alerter
 from launch.exporter import Exporter
 from launch.hangs import collect
+from launch.janitor import Janitor
+from launch.lock import lock_path
 from launch.nodes import Ended, Peers, launcher_nodes
 from launch.outcomes import (
     CRASH,
@@ -132,6 +134,12 @@ class Supervisor:
         """Run attempts until one succeeds or a stop rule fires; return the exit code."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         self.peers.start()
+        # Removes the ring should this process die without the finally below (SIGKILL).
+        janitor = (
+            Janitor(self.shm_dir, lock_path(self.run_dir, self.node))
+            if self.policy.snapshot.shared_memory
+            else None
+        )
         if self.policy.snapshot.replicate == "buddy" and self.nnodes > 1:
             self.replica = Replicator(
                 self.run_dir,
@@ -154,6 +162,8 @@ class Supervisor:
             if code != EXIT_OK and os.path.isdir(self.shm_dir):
                 self._flush()
             shutil.rmtree(self.shm_dir, ignore_errors=True)
+            if janitor is not None:
+                janitor.close()
             self.alerter.wait()
             if self.exporter is not None:
                 self.exporter.close()

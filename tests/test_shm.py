@@ -119,26 +119,43 @@ def test_a_crash_resumes_from_the_node_slot_bit_for_bit(
         assert half < 0.55 if engine == "ddp" else half == 1.0, e
 
 
-def test_a_sigkilled_supervisor_leaves_nothing_in_shared_memory(tmp_path: Path) -> None:
-    """SIGKILL of the supervisor: its workers end (lifeline) and remove the node's ring."""
+@pytest.mark.parametrize("when", ["training", "between_attempts"])
+def test_a_sigkilled_supervisor_leaves_nothing_in_shared_memory(tmp_path: Path, when: str) -> None:
+    """SIGKILL of the supervisor while its ranks train (they end through their lifeline and
+    remove the node's ring), or in its backoff after a crash, when no rank is left to do it
+    (its janitor does); either way nothing of the run stays in /dev/shm, janitor included."""
     d = tmp_path / "run"
+    policy: dict[str, Any] = SHM
+    if when == "between_attempts":  # a crash at 25, then a minute's backoff to kill it in
+        backoff = {"backoff_s": 60.0, "backoff_max_s": 60.0}
+        policy = {**SHM, "supervisor": {**SHM["supervisor"], **backoff},
+                  "faults": [{"kind": "crash", "step": 25, "rank": 1}]}  # fmt: skip
     proc = subprocess.Popen(
-        launch_cmd(d, SHM, *torchrun("--steps", "100000")), cwd=REPO, text=True,
+        launch_cmd(d, policy, *torchrun("--steps", "100000")), cwd=REPO, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     pattern = f"/dev/shm/orchestrator-{local_tier_key(str(d))}*"
+    janitor = f"launch.janitor /dev/shm/orchestrator-{local_tier_key(str(d))}"
+
+    def ready() -> bool:
+        if when == "between_attempts":
+            return bool(kinds(d, "restart"))
+        return any(b["step"] >= 25 for b in read_heartbeats(str(d)))
+
     try:
         deadline = time.monotonic() + 120
-        while not (glob.glob(pattern) and any(b["step"] >= 25 for b in read_heartbeats(str(d)))):
-            assert time.monotonic() < deadline, "no shared-memory ring at step 25"
+        while not (glob.glob(pattern) and ready()):
+            assert time.monotonic() < deadline, f"no shared-memory ring {when}"
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
             time.sleep(0.2)  # bounded poll
+        assert subprocess.run(["pgrep", "-f", janitor]).returncode == 0, "no janitor"
         proc.kill()
         proc.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while glob.glob(pattern):  # bounded poll
-            assert time.monotonic() < deadline, "the ring outlived the supervisor"
-            time.sleep(0.1)
+        while glob.glob(pattern) or subprocess.run(["pgrep", "-f", janitor]).returncode == 0:
+            assert time.monotonic() < deadline, "the ring or its janitor outlived the supervisor"
+            time.sleep(0.1)  # bounded poll
     finally:
         with contextlib.suppress(ProcessLookupError):  # the whole group may be gone
             os.killpg(proc.pid, signal.SIGKILL)
