@@ -21,6 +21,9 @@ import signal
 import subprocess
 import sys
 
+from launch.lock import holder
+from orchestrator.lifeline import remove_ring
+
 logger = logging.getLogger(__name__)
 
 
@@ -60,8 +63,6 @@ class Janitor:
 
 
 def _holder_pid(lock_path: str) -> int | None:
-    from launch.lock import holder
-
     try:
         return int(holder(lock_path).get("pid", ""))
     except ValueError:
@@ -86,8 +87,6 @@ def main(argv: list[str]) -> int:
     pid = _holder_pid(lock_path)
     if pid is not None and pid != supervisor and _alive(pid):
         return 0  # a new supervisor of this node took over, and with it the ring
-    from orchestrator.lifeline import remove_ring
-
     remove_ring(ring)
     return 0
 

@@ -6,6 +6,7 @@ import os
 import select
 import signal
 import sys
+from collections.abc import Callable
 from typing import IO, Any
 
 
@@ -106,10 +107,18 @@ def descendants(root: int) -> set[int]:
     return out
 
 
-def tee(src: IO[bytes] | None, log: IO[bytes]) -> None:
-    """Copy the child's output to our stdout and its attempt log, chunk by chunk."""
+def tee(src: IO[bytes] | None, log: IO[bytes], at_end: Callable[[], object]) -> None:
+    """Copy the child's output to our stdout and its attempt log, chunk by chunk; call
+    ``at_end`` at end of file (the launcher and its workers are gone, or going)."""
     if src is None:
         return
+    try:
+        _copy(src, log)
+    finally:
+        at_end()
+
+
+def _copy(src: IO[bytes], log: IO[bytes]) -> None:
     out = sys.stdout.buffer
     for chunk in iter(lambda: src.read1(65536), b""):  # type: ignore[attr-defined]
         try:

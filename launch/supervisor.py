@@ -313,7 +313,7 @@ class Supervisor:
                     f"({describe(a.returncode, killed_by_us=a.outcome == HANG)}); "
                     f"restart {restarts} in {delay:.1f} s"
                 )
-                if self._wake.wait(delay) and self._signals:
+                if self._sleep(delay):
                     return self._stop(journal, 128 + signal.SIGTERM, "stopped on request", best)
                 # One past ours, or the attempt the other nodes are already in (launch/nodes.py).
                 attempt = max(attempt + 1, next_attempt_number(self.run_dir, self.node))
@@ -322,6 +322,18 @@ class Supervisor:
                 self.replica.close()
             self.alerter.wait()  # the alerts journal their outcome too
             journal.close()
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait ``seconds``, or less if a signal comes (then True)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            self._wake.clear()  # set by other wakes too (the launcher's end of output)
+            if self._signals:  # after the clear: the handler counts before it wakes us
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._wake.wait(left)
 
     def _await_peers(self, attempt: int) -> None:
         """Start ``attempt`` only once every live node has left its earlier attempts (bounded
@@ -419,7 +431,11 @@ class Supervisor:
             if self._signals:  # a signal came while we were starting it
                 self._kill(signal.SIGTERM)
                 self._term_sent_at = time.time()
-            copier = threading.Thread(target=tee, args=(proc.stdout, log), daemon=True)
+            # Its end of output wakes the watch below at once, not at its next poll: the
+            # next attempt starts that much sooner.
+            copier = threading.Thread(
+                target=tee, args=(proc.stdout, log, self._wake.set), daemon=True
+            )
             copier.start()
             stalled = self._watch(proc, attempt, started)
             rc = proc.wait()
@@ -439,7 +455,10 @@ class Supervisor:
         self, proc: subprocess.Popen[bytes], attempt: int, started: float
     ) -> dict[int, int] | None:
         """Poll until the child exits; on a hang, stop it and return the stalled ranks."""
-        while proc.poll() is None:
+        while True:
+            self._wake.clear()  # before the poll: a wake after it ends the wait below at once
+            if proc.poll() is not None:
+                return None
             self._announce()
             self._seen.add(descendants(proc.pid))  # torchrun puts workers in new sessions
             if (
@@ -505,8 +524,6 @@ class Supervisor:
                     self._kill(signal.SIGKILL)
                 return stalled
             self._wake.wait(0.5)
-            self._wake.clear()
-        return None
 
     def _waiting_for_nodes(self, attempt: int) -> bool:
         """While our workers wait in the rendezvous: has a node stopped for good, or been

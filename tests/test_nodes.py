@@ -167,6 +167,10 @@ def test_preempting_both_nodes_snapshots_and_the_same_commands_resume(tmp_path: 
     assert kinds(d, "run_end")[-1]["details"]["steps"] == 400
 
 
+# covered by default: tests/test_shm.py's buddy test (the same SIGKILL of node 1's
+# supervisor, its workers gone, a replacement joining, bit for bit, from shared memory) and
+# test_a_crash_on_one_node_restarts_both_bit_for_bit (two nodes resuming from the durable tier)
+@pytest.mark.matrix
 def test_a_sigkilled_node_supervisor_is_replaced_and_the_job_finishes_bit_for_bit(
     tmp_path: Path,
 ) -> None:

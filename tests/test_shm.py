@@ -80,11 +80,13 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> CleanRuns:
     "engine,corrupt",
     [
         ("ddp", False),
-        ("ddp", True),
+        ("ddp", True),  # the flip in the node part
         ("fsdp2", False),
-        ("fsdp2", True),
+        ("fsdp2", True),  # the flip in a rank's own file
         ("zero2", False),
-        ("zero2", True),
+        # ZeRO-2's own files flip as FSDP2's do (fsdp2-corrupt-slot); its resume from the
+        # ring is the zero2 cell. In the full matrix only (11 s of CI).
+        pytest.param("zero2", True, marks=pytest.mark.matrix),
     ],
     ids=["ddp", "ddp-corrupt-slot", "fsdp2", "fsdp2-corrupt-slot", "zero2", "zero2-corrupt-slot"],
 )
@@ -208,7 +210,8 @@ def test_a_replaced_node_restores_from_its_buddys_copy_bit_for_bit(tmp_path: Pat
     1's supervisor is SIGKILLed (its workers take its ring with them); a new node-1
     supervisor fetches node 1's copy from node 0 before its attempt starts, both nodes
     resume from shared memory (no durable snapshot is that new), and the job ends bit for
-    bit where an uninterrupted one does; nothing is left in /dev/shm."""
+    bit where an uninterrupted one does; nothing is left in /dev/shm. (Without buddy copies
+    the same replacement resumes from the durable tier: tests/test_nodes.py, full matrix.)"""
     from test_nodes import finish, start_nodes
 
     policy = {
@@ -229,13 +232,14 @@ def test_a_replaced_node_restores_from_its_buddys_copy_bit_for_bit(tmp_path: Pat
         assert time.monotonic() < deadline, "node 1's ring was never copied to node 0"
         assert all(p.poll() is None for p in procs), "a supervisor ended early"
         time.sleep(0.2)
-    procs[1].kill()  # SIGKILL: its workers remove its ring as they die
+    node1 = [b["pid"] for b in read_heartbeats(str(d)) if b["node"] == "n1"]
+    procs[1].kill()  # SIGKILL: its workers remove its ring as they die (or its janitor does)
     procs[1].wait(timeout=30)
     ring1 = f"/dev/shm/orchestrator-{local_tier_key(str(d))}-n1"
     deadline = time.monotonic() + 10
-    while os.path.exists(ring1):  # bounded poll
-        assert time.monotonic() < deadline, "node 1's ring outlived its supervisor"
-        time.sleep(0.1)
+    while os.path.exists(ring1) or any(Path(f"/proc/{pid}").exists() for pid in node1):
+        assert time.monotonic() < deadline, "node 1's workers or ring outlived its supervisor"
+        time.sleep(0.1)  # bounded poll
     again = subprocess.Popen(
         procs[1].args, cwd=REPO, text=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "ORCHESTRATOR_NODE": "n1"},
