@@ -72,7 +72,13 @@ class Alerter:
         except OSError as err:  # not found, not executable
             said.update(error=repr(err))
         if said.get("returncode", 1) != 0:
-            logger.warning("alerts.command for %s failed: %s", kind, said)
+            logger.warning(
+                "alerts.command for the %s alert failed (%s); nobody was paged. Try the "
+                "command by hand with an event of RUN_DIR/journal/ on stdin, and check "
+                "alerts.command and alerts.timeout_s in the policy",
+                kind,
+                said,
+            )
         try:
             journal.write(EVENT_ALERT, step, said)
         except OSError as err:  # a full disk must not kill the thread silently

@@ -284,7 +284,14 @@ class Persister:
         try:
             self._after_commit(snap, manifest, nbytes, written, t0)
         except Exception as err:  # committed: a failure after it must not discard the step
-            self.log.error("snapshot %d committed; what follows it failed: %r", snap.step, err)
+            self.log.error(
+                "snapshot %d is committed and kept, but journaling it or pruning older ones "
+                "failed: %r. Older snapshots may pile up at %s: check its free space and "
+                "permissions (the next write prunes again)",
+                snap.step,
+                err,
+                self.store.url,
+            )
             with contextlib.suppress(Exception):  # the journal's disk may be what failed
                 self.journal.write(
                     "persist_prune_failed", snap.step, {"error": repr(err), "url": self.store.url}

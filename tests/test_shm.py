@@ -286,3 +286,32 @@ def test_a_job_on_two_nodes_flushes_one_snapshot_from_both_rings(tmp_path: Path)
     assert resumes == {("remote", 50)}
     for a, b in zip(final_states(clean), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
+
+
+@pytest.mark.parametrize("taken_over", [False, True])
+def test_the_janitor_leaves_a_ring_a_new_supervisor_owns(tmp_path: Path, taken_over: bool) -> None:
+    """The janitor of a dead supervisor removes the ring, unless a new supervisor of the
+    node (alive, holding the node's lock) owns it already: a replacement started at once must
+    not lose the ring it resumes from (the real janitor process, a real flock)."""
+    from launch.janitor import Janitor
+    from launch.lock import lock_path
+
+    ring = tmp_path / "ring"
+    (ring / "slot0").mkdir(parents=True)
+    (ring / "slot0" / "rank0.json").write_text("{}")
+    run_dir = str(tmp_path / "run")
+    holder = None
+    if taken_over:  # the new supervisor: another live process holding the node's lock
+        code = ("import sys; from launch.lock import SupervisorLock; "
+                f"SupervisorLock({run_dir!r}, 'n0').acquire(); print('held', flush=True); "
+                "sys.stdin.read()")  # fmt: skip
+        holder = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, text=True,
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    try:
+        janitor = Janitor(str(ring), lock_path(run_dir, "n0"))  # this process: its supervisor
+        janitor.close()  # as if its supervisor ended: end of file on the janitor's pipe
+    finally:
+        if holder is not None:
+            holder.communicate("", timeout=30)
+    assert ring.exists() == taken_over
