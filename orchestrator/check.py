@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from orchestrator import replicas
 from orchestrator.comm import Comm
 from orchestrator.detect import (
     GRAD_NONFINITE,
@@ -39,6 +40,11 @@ class Checked:
     stop: bool  # some rank was asked to stop (SIGTERM/SIGINT)
     writing: bool = False  # some rank's durable writer was busy (the goodput ledger's)
     seconds: float = 0.0  # this rank's time in the check: pack, all-reduce, host sync
+    # The replicas' comparison of this step's snapshot digest (None: none this step), and
+    # the largest digest (every rank's, when they agreed).
+    agreed: bool | None = None
+    digest: int | None = None
+    overflow_since: int | None = None  # persistent_overflow: the first skipped step
 
 
 class StepCheck:
@@ -55,37 +61,68 @@ class StepCheck:
         self.decide = decide
         self.check_grads = policy.detect.check_grads
         self.spikes = SpikeDetector(policy.detect.spike)
+        self.overflow = policy.detect.overflow
+        self._skips = 0  # overflow skips in a row
         self._zero_seen = False
 
     def run(
-        self, step: int, loss: torch.Tensor, grads: list[torch.Tensor], stop_requested: bool
+        self,
+        step: int,
+        loss: torch.Tensor,
+        grads: list[torch.Tensor],
+        stop_requested: bool,
+        digest: torch.Tensor | None = None,
     ) -> Checked:
-        """Collective: every rank of the group calls it once per optimizer step."""
+        """Collective: every rank of the group calls it once per optimizer step, with the
+        ``digest`` of this step's snapshot where the replicas compare one (every rank, or
+        none)."""
         t0 = time.perf_counter()
         control = (float(stop_requested), *self.durable.control())
         packed = pack_local(loss, grads, self.check_grads, control)
         self.heartbeat.enter("check")  # a rank that never gets here is the one others wait for
+        # The digests' MAX all-reduce is queued first: the step's host sync below covers it.
+        compared = replicas.compare_async(self.comm, digest) if digest is not None else None
         vals = self.comm.all_reduce_sum_(packed).tolist()  # the one host sync of the step
+        agreed, top = replicas.agreed(*compared) if compared is not None else (None, None)
         # On a GPU the host sync also waits for the step's queued kernels: an upper bound.
         seconds = time.perf_counter() - t0
         self.durable.observe(vals, step)
         world = self.comm.world_size
         gloss = vals[LOSS] / world
         gnorm = self.engine.global_grad_norm(vals[GRAD_NORM_SQ], world)
-        reason, overflow = None, False
-        if vals[LOSS_NONFINITE] > 0:
+        reason, overflow, since = None, False, None
+        if agreed is False:
+            reason = "divergence"  # first: its rollback must reach an agreed snapshot
+        elif vals[LOSS_NONFINITE] > 0:
             reason = "nonfinite_loss"
         elif vals[GRAD_NONFINITE] > 0:
             overflow = self.engine.has_loss_scaler
             reason = None if overflow else "nonfinite_grads"
+            if overflow and self._persistent():
+                reason, overflow, since = "persistent_overflow", False, step - self._skips + 1
         else:
             spike = self.spikes.check({"loss": gloss, "grad_norm": gnorm})
             if spike is not None:
                 reason = f"spike_{spike[0]}"
+        self._skips = self._skips + 1 if overflow else 0
         if self.check_grads and gnorm == 0.0 and reason is None and not self._zero_seen:
             self._zero_seen = True  # said once per run: zero gradients are a loop bug
             self._zero_gradients(step)
-        return Checked(gloss, gnorm, reason, overflow, vals[STOP] > 0, self.durable.busy, seconds)
+        return Checked(
+            gloss, gnorm, reason, overflow, vals[STOP] > 0, self.durable.busy, seconds,
+            agreed=agreed, digest=top, overflow_since=since,
+        )  # fmt: skip
+
+    def _persistent(self) -> bool:
+        """This overflow is one skip too many: ``detect.overflow.max_skips`` in a row, or
+        the loss scale under its floor. A scaler that skips every step hides a broken model
+        (non-finite gradients whatever the scale): the run must not end 0 having trained
+        on nothing. Read on overflow steps only (the scale's read is a host sync)."""
+        o = self.overflow
+        if o.max_skips is not None and self._skips + 1 >= o.max_skips:
+            return True
+        scale = self.engine.loss_scale() if o.min_loss_scale is not None else None
+        return scale is not None and o.min_loss_scale is not None and scale < o.min_loss_scale
 
     def _zero_gradients(self, step: int) -> None:
         hint = (

@@ -78,6 +78,15 @@ class CorruptShmFault(_StepFault):
     kind: Literal["corrupt_shm"]
 
 
+class PerturbParamsFault(_StepFault):
+    """At the start of this step, before its snapshot and its forward, add ``by`` to every
+    element of this rank's parameters, outside anything the Guard does: a replica drifting
+    (silent data corruption, a loop that skips a gradient all-reduce) that stays finite."""
+
+    kind: Literal["perturb_params"]
+    by: float = Field(1e-3, description="Added to every parameter element.")
+
+
 class StorageErrorFault(_Fault):
     kind: Literal["storage_error"]
     op: Literal["write", "read"] = Field("write", description="Which storage operations fail.")
@@ -179,6 +188,7 @@ Fault = Annotated[
     | ExitFault
     | PreemptFault
     | CorruptShmFault
+    | PerturbParamsFault
     | StorageErrorFault
     | SlowStorageFault
     | TruncateSnapshotFault

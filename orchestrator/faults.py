@@ -44,6 +44,7 @@ from orchestrator.fault_kinds import (
     MissHealthFault,
     NanGradFault,
     NanModuleFault,
+    PerturbParamsFault,
     PoisonSampleFault,
     PreemptFault,
     SlowRankFault,
@@ -82,6 +83,7 @@ class FaultInjector:
             ExitFault,
             PreemptFault,
             CorruptShmFault,
+            PerturbParamsFault,
         )
         self._pending: list[Fault] = [
             f
@@ -105,6 +107,7 @@ class FaultInjector:
             and f.rank == rank
             and fault_key(f) not in fired
         ]
+        self._perturbs = any(isinstance(f, PerturbParamsFault) for f in self._pending)
         self._nan_modules = [
             f
             for f in faults
@@ -215,6 +218,19 @@ class FaultInjector:
         if self._take(HangFault, step):
             while True:
                 time.sleep(3600)
+
+    def perturb_params(self, step: int, core: torch.nn.Module) -> None:
+        """``perturb_params``: this rank's parameters drift at ``step`` (local shards)."""
+        if not self._perturbs:  # the healthy step runs nothing more of it
+            return
+        f = self._take_first(lambda f: isinstance(f, PerturbParamsFault) and f.step == step, step)
+        if f is None:
+            return
+        assert isinstance(f, PerturbParamsFault)
+        with torch.no_grad():
+            for p in core.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.add_(f.by)
 
     def corrupt_shm_due(self, step: int) -> bool:
         return self._take(CorruptShmFault, step)

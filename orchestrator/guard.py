@@ -167,6 +167,8 @@ class Guard:
                 adjuster=self.adjuster, heartbeat=self.heartbeat, decide=self._decide, shm=self.shm,
             )  # fmt: skip
             self.check = StepCheck(p, comm, self.engine, self.durable, self.heartbeat, self._decide)
+            # Replicas compare snapshot digests where every rank holds the state alike.
+            self._replicated = comm.world_size > 1 and self.engine.digest_tensors()[1]
             # The step being run: phase (idle, batch, backward, stepped), micro-batches so far.
             self._phase, self._micro = "idle", 0
             self._cur_ids: list[int] = []
@@ -306,8 +308,10 @@ class Guard:
                 return
             self.cursor.open(loader, self.recovery.ledger.url)
             step = self.global_step
-            if self._micro == 0 and step % every == 0 and not self.ring.has(step):
-                self.keeper.capture(step)
+            if self._micro == 0:
+                self.faults.perturb_params(step, self.engine.core)
+                if step % every == 0 and not self.ring.has(step):
+                    self.keeper.capture(step)
             fetched = self.cursor.fetch()
             if fetched is None:
                 continue  # end of an epoch
@@ -421,11 +425,18 @@ class Guard:
         self.faults.process_faults(self.global_step, self.durable.settle)
         if self.shm is not None and self.faults.corrupt_shm_due(self.global_step):
             self.shm.corrupt(self.ring.newest(lambda s: s.sealed))
+        snap = self.ring.at(self.global_step)  # taken at this step: its digest is compared
+        digest = snap.digest if snap is not None and snap.agreed is None else None
         grads = self.engine.judge(self.adjuster.multiplier())
         loss = self._loss if gas == 1 else self._loss / gas
         c = self._checked = self.check.run(
-            self.global_step, loss, grads, self.lifecycle.signals.requested
-        )
+            self.global_step, loss, grads, self.lifecycle.signals.requested,
+            digest=digest if self._replicated else None,
+        )  # fmt: skip
+        if snap is not None and c.agreed is not None:
+            snap.agreed = c.agreed
+            if c.agreed and c.digest is not None:
+                self.recovery.replicas_agreed(self.global_step, c.digest)
         if c.reason is None:
             outcome = self._commit(OVERFLOW_SKIP if c.overflow else COMMIT, c.loss, c.grad_norm)
         else:

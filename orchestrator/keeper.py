@@ -11,6 +11,9 @@ import logging
 import time
 from typing import Any
 
+import torch
+
+from orchestrator import replicas
 from orchestrator.adjust import LRAdjuster
 from orchestrator.comm import Comm
 from orchestrator.cursor import DataCursor
@@ -89,6 +92,8 @@ class StateKeeper:
         if local is not None:
             state["data"] = local
         snap = self.ring.capture(step, state, self._alike(state))
+        if snap is not None:
+            snap.digest = self.digest()
         if snap is None:
             # Every slot is either the newest sealed one or still being persisted.
             self.decide(
@@ -116,6 +121,13 @@ class StateKeeper:
             initial=initial,
         )
         return snap
+
+    def digest(self) -> torch.Tensor | None:
+        """The live state's digest (:mod:`orchestrator.replicas`), queued on its device;
+        None with ``detect.replicas`` off."""
+        if not self.policy.detect.replicas.enabled:
+            return None
+        return replicas.digest(self.engine.digest_tensors()[0])
 
     def seal_through(self, step: int, rollbacks: int) -> None:
         """Step ``step`` is committed: seal the snapshots old enough (the steps after them
@@ -169,6 +181,7 @@ class StateKeeper:
                 "Resume with the model it was written by, or set persist.resume: false (or "
                 "another persist.url) to start from scratch"
             ) from err
+        snap.digest = self.digest()  # of the state as loaded: compared at its first check
         local = tree.get("data")
         self.cursor.rewind(step, g, local)
         self.adjuster.load_state_dict(g["adjust"])

@@ -132,11 +132,47 @@ class SpikePolicy(_Section):
         return self
 
 
+class ReplicasPolicy(_Section):
+    enabled: bool = Field(
+        True,
+        description="Every snapshot carries a digest of the state training changes only in "
+        "the optimizer step (parameters, and optimizer state where replicated), computed on "
+        "the device. Where ranks hold that state alike (DDP, ZeRO-1/2 parameters) the "
+        "replicas compare digests in a second tiny all-reduce at each snapshot step: a "
+        "mismatch is a 'divergence' incident (roll back to the newest snapshot the replicas "
+        "agreed on). Every engine checks a restored snapshot against its digest.",
+    )
+    sick_after: int = Field(
+        2,
+        ge=1,
+        description="A rank named as the odd one out of this many divergences within "
+        "escalation.window_steps is sick: stop with exit code 72 naming it and its host.",
+    )
+
+
+class OverflowPolicy(_Section):
+    max_skips: int | None = Field(
+        8,
+        ge=1,
+        description="A loss scaler skipping this many steps in a row (non-finite gradients "
+        "each time) is an incident, 'persistent_overflow', not business as usual: a healthy "
+        "scaler finds its scale within a few skips. null: never.",
+    )
+    min_loss_scale: float | None = Field(
+        1.0,
+        gt=0,
+        description="A loss scale below this after a skip is a 'persistent_overflow' "
+        "incident too (gradients overflow even unscaled). null: no floor.",
+    )
+
+
 class DetectPolicy(_Section):
     check_grads: bool = Field(
         True, description="Include the gradients in the finite check (the loss is always checked)."
     )
     spike: SpikePolicy = Field(default_factory=SpikePolicy)  # type: ignore[arg-type]
+    replicas: ReplicasPolicy = Field(default_factory=ReplicasPolicy)  # type: ignore[arg-type]
+    overflow: OverflowPolicy = Field(default_factory=OverflowPolicy)  # type: ignore[arg-type]
 
 
 class ClipPolicy(_Section):

@@ -12,12 +12,14 @@ Every decision is identical on every rank: its inputs are agreed by a collective
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from orchestrator import replicas
 from orchestrator.adjust import LRAdjuster
 from orchestrator.check import Checked
 from orchestrator.comm import Comm
@@ -75,6 +77,9 @@ class Recovery:
         self._evidence: dict[str, Any] = {}  # the open incident's, journaled with its cause
         # Ledger entries a storage failure held back: (ids, step, reason), oldest first.
         self._unwritten: list[tuple[list[int], int, str]] = []
+        r = policy.detect.replicas
+        self.culprits = replicas.Culprits(r.sick_after, policy.escalation.window_steps)
+        self._host_names: list[str] | None = None
 
     @property
     def previous_step(self) -> int | None:
@@ -94,10 +99,88 @@ class Recovery:
         return the step rolled back to."""
         assert c.reason is not None
         inc = self.open_incident(step, c.reason, c.loss, c.grad_norm, loss)
+        if c.reason == "divergence":
+            return self.act_divergence()
+        if c.reason == "persistent_overflow":
+            # Not the samples' doing (the scaler skipped step after step, whatever the
+            # batch): nothing is quarantined; back to before the first skip, LR cut.
+            self.charge("unexplained", why="persistent_overflow")
+            return self.recover([], before=c.overflow_since)
         if investigation.reruns and c.reason.startswith("nonfinite"):
             investigation.start(inc, self.cursor.step_ids, self.step_samples, self.previous_step)
             return None
         return self.act_uninvestigated()
+
+    def act_divergence(self) -> int:
+        """The replicas' digests differ: name the odd rank(s) out (a majority's minority
+        now; with a tie, the replay decides, see :meth:`replicas_agreed`), stop if one of
+        them is sick, else roll back to the newest snapshot they agreed on. Nothing is
+        quarantined and the LR is kept: neither the data nor the LR made replicas differ."""
+        inc = self.open
+        assert inc is not None
+        snap = self.ring.at(inc.step)
+        mine = int(snap.digest) if snap is not None and snap.digest is not None else -1
+        digests: list[int] = self.comm.all_gather_object(mine)
+        odd = replicas.minority(digests)
+        if odd is None:
+            here = replicas.sketch(self.engine.digest_tensors()[0])
+            self.culprits.pending[inc.step] = replicas.Tie(digests, here)
+        inc.origin_ranks = odd or []
+        self._evidence.update(origin_ranks=inc.origin_ranks, digests=digests, tied=odd is None)
+        self.charge("divergence", why="majority" if odd else "tied", budget="incidents")
+        if odd:
+            self._name_culprits(inc.step, odd, "majority")
+        return self.recover([], cut_lr=False, scale=False, agreed_only=True)
+
+    def replicas_agreed(self, step: int, value: int) -> None:
+        """The replicas agreed on ``value`` at ``step``: if a tied divergence was waiting for
+        the replay to reach that step, the ranks whose digest was not ``value`` held what
+        no exact replay reproduces: they are named."""
+        tie = self.culprits.pending.pop(step, None)
+        if tie is None:
+            return
+        ranks = [r for r, d in enumerate(tie.digests) if d != value]
+        by, distances = "replay", None  # distances: only when no rank held it exactly
+        if len(ranks) == self.comm.world_size:  # no rank held the replayed state exactly
+            here = replicas.sketch(self.engine.digest_tensors()[0])
+            mine = float(torch.linalg.vector_norm(tie.sketch - here))
+            distances = self.comm.all_gather_object(mine)
+            assert distances is not None
+            ranks, by = replicas.farthest(distances), "distance"
+            if not ranks:
+                self.decide("divergence_unresolved", step, digest=value, distances=distances)
+                return
+        self._name_culprits(step, ranks, by, distances)
+
+    def _name_culprits(
+        self, step: int, ranks: list[int], by: str, distances: list[float] | None = None
+    ) -> None:
+        """Journal the odd rank(s) out with their hosts; a rank named ``sick_after`` times
+        is sick: stop with exit code 72 so the node can be excluded."""
+        hosts = self._hosts()
+        named = {str(r): hosts[r] for r in ranks}
+        extra = {"distances": distances} if distances is not None else {}
+        self.decide("divergence_culprit", step, ranks=ranks, hosts=named, by=by, **extra)
+        sick = self.culprits.name(step, ranks)
+        if not sick:
+            return
+        where = {str(r): hosts[r] for r in sick}
+        self.decide(
+            "unhealthy", step, reason="divergence", ranks=sick, hosts=sorted(set(where.values())),
+            failed={r: ["replica_digest"] for r in where},
+        )  # fmt: skip
+        if self.comm.rank == 0:
+            self.log.error(
+                "UNHEALTHY: rank(s) %s (%s) held state the other replicas did not, %d times "
+                "within %d steps (detect.replicas.sick_after). Exclude these nodes and restart.",
+                sick, where, self.culprits.sick_after, self.culprits.window_steps,
+            )  # fmt: skip
+        raise Unhealthy(f"replica divergence: ranks {sick} on {sorted(set(where.values()))}")
+
+    def _hosts(self) -> list[str]:
+        if self._host_names is None:
+            self._host_names = self.comm.all_gather_object(socket.gethostname())
+        return self._host_names
 
     def open_incident(
         self, step: int, reason: str, gloss: float, gnorm: float, loss: torch.Tensor
@@ -172,9 +255,18 @@ class Recovery:
                 culprits += self.cursor.window_samples(inc.step - q.window_steps)
         return self.recover(culprits)
 
-    def recover(self, culprits: list[int], cut_lr: bool = True, scale: bool = True) -> int:
+    def recover(
+        self,
+        culprits: list[int],
+        cut_lr: bool = True,
+        scale: bool = True,
+        agreed_only: bool = False,
+        before: int | None = None,
+    ) -> int:
         """Quarantine, roll back, adjust (the LR if ``cut_lr``, a loss scale if ``scale``).
-        Identical on every rank (inputs are agreed). Returns the step rolled back to."""
+        The snapshot is the newest sealed one old enough before the incident's step (or
+        ``before``), with ``agreed_only`` one the replicas agreed on. Identical on every
+        rank (inputs are agreed). Returns the step rolled back to."""
         inc = self.open
         assert inc is not None
         self.engine.abandon()
@@ -197,15 +289,13 @@ class Recovery:
         if inc.budget == "data":
             self._check_data_budget(inc.step)
 
-        target, age_met = self.ring.pick(inc.step, self.policy.snapshot.min_age_steps)
-        if target is None:
-            self._give_up(inc.step, f"no sealed snapshot to roll back to at step {inc.step}")
-        assert target is not None
         adjust = self.policy.adjust
         t0 = time.perf_counter()
         scale_factor = adjust.loss_scale_factor if scale and self.engine.has_loss_scaler else 1.0
         scale_before = self.engine.loss_scale()
-        self.engine.restore(target, scale_factor)
+        target, age_met = self._restore(
+            inc.step if before is None else before, scale_factor, agreed_only
+        )
         g = target.materialize("guard", clone=False)
         step = int(g["step"])
         data = target.materialize("data", clone=True) if "data" in target.skeleton else None
@@ -247,6 +337,33 @@ class Recovery:
         self.open = None
         self.heartbeat.beat(step, phase="recovered", force=True)
         return step
+
+    def _restore(self, bad_step: int, scale_factor: float, agreed_only: bool) -> tuple[Any, bool]:
+        """Restore the newest fitting snapshot whose restored state matches the digest it
+        was taken with, on every rank (a host buffer gone bad, or a restore that missed a
+        tensor, fails that check: the next older snapshot is tried). Gives up when none is
+        left. Returns ``(snapshot, age_met)``."""
+        inc = self.open
+        assert inc is not None
+        while True:
+            target, age_met = self.ring.pick(
+                bad_step, self.policy.snapshot.min_age_steps, agreed_only
+            )
+            if target is None:
+                self._give_up(
+                    inc.step,
+                    f"no sealed snapshot{' the replicas agreed on' if agreed_only else ''} "
+                    f"to roll back to at step {inc.step}",
+                )
+            assert target is not None
+            self.engine.restore(target, scale_factor)
+            expected = target.digest
+            now = replicas.digest(self.engine.digest_tensors()[0]) if expected is not None else None
+            bad = expected is not None and now is not None and not torch.equal(expected, now)
+            if not self.comm.all_reduce_max(int(bad)):
+                return target, age_met
+            self.decide("restore_mismatch", inc.step, snapshot_step=target.step)
+            self.ring.discard(target)
 
     def _ledger_add(self, ids: list[int], step: int, reason: str) -> bool:
         """Rank 0 appends to the ledger, retrying; a storage failure is journaled, never

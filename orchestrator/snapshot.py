@@ -64,6 +64,11 @@ class Snapshot:
     held: bool = False  # being written to durable storage: its buffers must not be reused
     persisted: bool = False  # was handed to durable storage (decided alike on every rank)
     slot: int = -1  # the ring slot it lives in
+    # orchestrator/replicas.py: the digest of the state it was taken from (a 0-d tensor on
+    # the state's device; None: not computed), and whether the replicas agreed on it at its
+    # step's check (None: not compared, e.g. sharded state).
+    digest: torch.Tensor | None = None
+    agreed: bool | None = None
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -213,6 +218,23 @@ class SnapshotRing:
     def has(self, step: int) -> bool:
         return any(s.step == step for s in self.snapshots())
 
+    def at(self, step: int) -> Snapshot | None:
+        return next((s for s in self.slots if s is not None and s.step == step), None)
+
+    def discard(self, snap: Snapshot) -> None:
+        """Forget one snapshot found bad (its restore did not match its digest)."""
+        for i, s in enumerate(self.slots):
+            if s is snap:
+                self._forget(i, s)
+
+    def _forget(self, i: int, s: Snapshot) -> None:
+        s.wait()
+        self.slots[i] = None
+        if self._on_drop is not None:
+            self._on_drop(i)
+        if s.held or (s.persisted and self._alloc is not None):
+            self._buffers[i] = []  # a persist thread may read them: new ones
+
     def seal_through(self, committed_step: int, seal_after_steps: int) -> list[Snapshot]:
         """Seal snapshots whose ``seal_after_steps`` steps are all committed now."""
         sealed = []
@@ -228,20 +250,18 @@ class SnapshotRing:
         unsealed ones; their buffers stay allocated for reuse."""
         for i, s in enumerate(self.slots):
             if s is not None and (s.step > step or not s.sealed):
-                s.wait()
-                self.slots[i] = None
-                if self._on_drop is not None:
-                    self._on_drop(i)
-                if s.held or (s.persisted and self._alloc is not None):
-                    self._buffers[i] = []  # a persist thread may read them: new ones
+                self._forget(i, s)
 
-    def pick(self, bad_step: int, min_age_steps: int) -> tuple[Snapshot | None, bool]:
-        """Newest sealed snapshot at least ``min_age_steps`` older than ``bad_step``.
+    def pick(
+        self, bad_step: int, min_age_steps: int, agreed_only: bool = False
+    ) -> tuple[Snapshot | None, bool]:
+        """Newest sealed snapshot at least ``min_age_steps`` older than ``bad_step`` (with
+        ``agreed_only``: among those the replicas agreed on).
 
         Returns ``(snapshot, age_met)``; falls back to the oldest sealed one when none is old
         enough, and to ``None`` when nothing is sealed.
         """
-        sealed = [s for s in self.snapshots() if s.sealed]
+        sealed = [s for s in self.snapshots() if s.sealed and (s.agreed or not agreed_only)]
         old_enough = [s for s in sealed if s.step <= bad_step - min_age_steps]
         if old_enough:
             return old_enough[-1], True

@@ -52,6 +52,33 @@ def test_fsdp2_transient_nan_rolls_back_bit_for_bit(
         assert_bitwise_equal(a, b, "final shards")
 
 
+def test_fsdp2_rollback_refuses_a_shard_that_no_longer_matches_its_digest(
+    tmp_path: Path, clean: Path
+) -> None:
+    """Sharded state has no replicas to compare, but every snapshot carries the digest of
+    the shard it was taken from: memory gone bad under the newest snapshot (rank 1's
+    shared-memory slot, flipped after it was sealed) is caught when the rollback restores
+    it, and the rollback goes on to the older snapshot, bit for bit."""
+    policy = {
+        **EXACT,
+        "snapshot": {"shared_memory": True},
+        "quarantine": {"enabled": False},
+        "faults": [
+            {"kind": "corrupt_shm", "step": 22, "rank": 1},
+            {"kind": "nan_grad", "step": 25, "rank": 0},
+        ],
+    }
+    d = tmp_path / "run"
+    r = train(d, 2, *STEPS, policy=policy)
+    assert r.returncode == 0, r.stdout[-3000:]
+    (bad,) = kinds(d, "restore_mismatch")
+    assert bad["details"]["snapshot_step"] == 20
+    (rb,) = kinds(d, "rollback")
+    assert (rb["details"]["from_step"], rb["details"]["to_step"]) == (25, 10)
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final shards")
+
+
 # Real bad samples under FSDP2: tests/test_data_budget.py. Full matrix only.
 @pytest.mark.matrix
 def test_fsdp2_poison_sample_quarantined_bit_for_bit(tmp_path: Path) -> None:

@@ -169,6 +169,14 @@ class Engine(ABC):
         """Bytes one snapshot will take on this rank, including optimizer state that a lazy
         optimizer has not created yet."""
 
+    def digest_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        """The state that training changes only in the optimizer step (parameters, frozen
+        ones too, and optimizer state), in an order every rank and every restore agree on;
+        and whether every rank of the group holds it alike, so that replicas can compare
+        digests of it (:mod:`orchestrator.replicas`). Buffers are left out: a forward may
+        change them (BatchNorm's running statistics)."""
+        return [], False
+
     def release(self) -> None:  # noqa: B027 (a hook with a default: nothing to release)
         """The run is closed: remove what the engine attached to the user's objects."""
 

@@ -181,6 +181,14 @@ class DeepSpeedEngine(Engine):
     def has_loss_scaler(self) -> bool:
         return bool(self.ds.fp16_enabled())
 
+    def digest_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        # ZeRO-1/2: every rank holds the bit16 weights alike (each step all-gathers them from
+        # the fp32 partitions). ZeRO-3: this rank's partitions only.
+        params = list(self.ds.module.parameters())
+        if self.stage3:
+            return [p.ds_tensor for p in params], False
+        return params, True
+
     def lr(self) -> float | None:
         return float(self.ds.get_lr()[0])
 

@@ -172,6 +172,13 @@ class TorchEngine(Engine):
             self.scaler.load_state_dict(scaler_state)
         set_rng_state(snap.materialize("rng", clone=True))
 
+    def digest_tensors(self) -> tuple[list[torch.Tensor], bool]:
+        tensors: list[torch.Tensor] = list(self.core.parameters())
+        for p in self._params():  # the optimizer's order, not its state's insertion order
+            state = self.optimizer.state.get(p, {})
+            tensors += [state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)]
+        return tensors, self._grads_replicated
+
     def estimate_state_bytes(self) -> int:
         model = _tensor_bytes(self.core.state_dict().values())
         optim = sum(_tensor_bytes(s.values()) for s in self.optimizer.state.values())
