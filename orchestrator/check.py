@@ -19,6 +19,7 @@ from orchestrator.detect import (
     LOSS,
     LOSS_NONFINITE,
     STOP,
+    SpikeBar,
     SpikeDetector,
     pack_local,
 )
@@ -45,6 +46,7 @@ class Checked:
     agreed: bool | None = None
     digest: int | None = None
     overflow_since: int | None = None  # persistent_overflow: the first skipped step
+    spike: SpikeBar | None = None  # a spike: where its metric stood (isolation judges by it)
 
 
 class StepCheck:
@@ -90,7 +92,7 @@ class StepCheck:
         world = self.comm.world_size
         gloss = vals[LOSS] / world
         gnorm = self.engine.global_grad_norm(vals[GRAD_NORM_SQ], world)
-        reason, overflow, since = None, False, None
+        reason, overflow, since, spike = None, False, None, None
         if agreed is False:
             reason = "divergence"  # first: its rollback must reach an agreed snapshot
         elif vals[LOSS_NONFINITE] > 0:
@@ -103,14 +105,14 @@ class StepCheck:
         else:
             spike = self.spikes.check({"loss": gloss, "grad_norm": gnorm})
             if spike is not None:
-                reason = f"spike_{spike[0]}"
+                reason = f"spike_{spike.metric}"
         self._skips = self._skips + 1 if overflow else 0
         if self.check_grads and gnorm == 0.0 and reason is None and not self._zero_seen:
             self._zero_seen = True  # said once per run: zero gradients are a loop bug
             self._zero_gradients(step)
         return Checked(
             gloss, gnorm, reason, overflow, vals[STOP] > 0, self.durable.busy, seconds,
-            agreed=agreed, digest=top, overflow_since=since,
+            agreed=agreed, digest=top, overflow_since=since, spike=spike,
         )  # fmt: skip
 
     def _persistent(self) -> bool:

@@ -9,9 +9,11 @@ ranks must act on at the same step (rank 0's persist timer, a busy or failed wri
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -59,11 +61,37 @@ def pack_local(
     )
 
 
-class SpikeDetector:
-    """Robust rolling z-score: (x - median) / (1.4826 * MAD) over the last ``window`` values.
+@dataclass(frozen=True)
+class SpikeBar:
+    """Where a spike's metric stood: the reference level, the noise of one step's global
+    value, and the threshold in noise units; judges the isolation re-runs."""
 
+    metric: str
+    reference: float
+    noise: float
+    zscore: float
+
+    def exceeded(self, value: float, fraction: float) -> bool:
+        """``value`` is a spike for a mean over ``fraction`` of the step's samples: the
+        noise of a mean grows as 1/sqrt(samples), so a sub-batch gets a wider margin."""
+        if not math.isfinite(value):
+            return True
+        return value > self.reference + self.zscore * self.noise / math.sqrt(fraction)
+
+    def z(self, value: float) -> float:
+        return (value - self.reference) / self.noise
+
+
+class SpikeDetector:
+    """Robust spike test on the all-reduced values: ``(x - reference) / noise > zscore``,
+    the reference the median of the last ``reference_steps`` values moved along a falling
+    trend (the median step-to-step change), the noise ``1.4826 * median |change - trend| /
+    sqrt(2)`` over the window.
+
+    Step-to-step changes measure the noise whatever the trend (a window's spread around its
+    median would take a falling loss for noise and miss real spikes early in training).
     Fed with the all-reduced values, it reaches the same verdict on every rank with no extra
-    collective. Values that triggered a spike are not added to the history.
+    collective or host sync. Values that triggered a spike are not added to the history.
     """
 
     def __init__(self, policy: SpikePolicy) -> None:
@@ -72,21 +100,34 @@ class SpikeDetector:
             m: deque(maxlen=policy.window) for m in policy.metrics
         }
 
-    def check(self, values: dict[str, float]) -> tuple[str, float] | None:
-        """Return ``(metric, zscore)`` of the first spiking metric, else record and return None."""
+    def check(self, values: dict[str, float]) -> SpikeBar | None:
+        """The bar of the first spiking metric, else record the values and return None."""
         if not self.policy.enabled:
             return None
         for m, hist in self.history.items():
             x = values[m]
             if len(hist) >= self.policy.min_history and math.isfinite(x):
-                ordered = sorted(hist)
-                med = ordered[len(ordered) // 2]
-                mad = sorted(abs(v - med) for v in ordered)[len(ordered) // 2]
-                scale = 1.4826 * mad if mad > 0 else 1e-12 * max(abs(med), 1.0)
-                z = (x - med) / scale
-                if z > self.policy.zscore:
-                    return m, z
+                bar = self._bar(m, hist)
+                if bar.exceeded(x, 1.0):
+                    return bar
         for m, hist in self.history.items():
             if math.isfinite(values[m]):
                 hist.append(values[m])
         return None
+
+    def _bar(self, metric: str, hist: deque[float]) -> SpikeBar:
+        h = list(hist)
+        k = self.policy.reference_steps
+        changes = sorted(b - a for a, b in itertools.pairwise(h))
+        # A falling trend (early training) lowers what the next value should be: the median
+        # of the last k values stands (k + 1) / 2 steps back. A rising one is not followed:
+        # a loss climbing step after step is what this is here to catch.
+        trend = min(changes[len(changes) // 2], 0.0)
+        recent = sorted(h[-k:])
+        ref = recent[len(recent) // 2] + trend * (k + 1) / 2
+        spread = sorted(abs(c - trend) for c in changes)
+        noise = 1.4826 * spread[len(spread) // 2] / math.sqrt(2)
+        # A flat history (a constant loss) has no noise: a relative floor keeps a rounding
+        # error from being a spike.
+        noise = max(noise, 1e-3 * abs(ref), 1e-12)
+        return SpikeBar(metric, ref, noise, self.policy.zscore)

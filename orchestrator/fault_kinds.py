@@ -87,6 +87,24 @@ class PerturbParamsFault(_StepFault):
     by: float = Field(1e-3, description="Added to every parameter element.")
 
 
+class LrBlowupFault(_StepFault):
+    """From this step the optimizer applies ``factor`` times the LR for ``steps`` steps, as
+    a broken schedule would: finite divergence, not a NaN. Over at the first rollback."""
+
+    kind: Literal["lr_blowup"]
+    factor: float = Field(10.0, gt=0, description="LR multiplier while it lasts.")
+    steps: int = Field(10, ge=1, description="How many steps it lasts.")
+
+
+class OutlierSampleFault(_Fault):
+    """This sample's loss is ``extra`` higher (finite): a batch holding it has its mean loss
+    raised by ``extra`` / (samples in the batch), as a dirty sample's would be."""
+
+    kind: Literal["outlier_sample"]
+    sample: int = Field(ge=0, description="Dataset index of the outlier.")
+    extra: float = Field(20.0, gt=0, description="Added to that sample's loss.")
+
+
 class StorageErrorFault(_Fault):
     kind: Literal["storage_error"]
     op: Literal["write", "read"] = Field("write", description="Which storage operations fail.")
@@ -189,6 +207,8 @@ Fault = Annotated[
     | PreemptFault
     | CorruptShmFault
     | PerturbParamsFault
+    | LrBlowupFault
+    | OutlierSampleFault
     | StorageErrorFault
     | SlowStorageFault
     | TruncateSnapshotFault

@@ -41,9 +41,11 @@ from orchestrator.fault_kinds import (
     HangFault,
     InfLossFault,
     KillPersistFault,
+    LrBlowupFault,
     MissHealthFault,
     NanGradFault,
     NanModuleFault,
+    OutlierSampleFault,
     PerturbParamsFault,
     PoisonSampleFault,
     PreemptFault,
@@ -84,6 +86,7 @@ class FaultInjector:
             PreemptFault,
             CorruptShmFault,
             PerturbParamsFault,
+            LrBlowupFault,
         )
         self._pending: list[Fault] = [
             f
@@ -127,6 +130,10 @@ class FaultInjector:
             f for f in faults if isinstance(f, SlowStorageFault) and f.rank in (None, rank)
         ]
         self.poisoned = frozenset(f.sample for f in faults if isinstance(f, PoisonSampleFault))
+        self.outliers = {f.sample: f.extra for f in faults if isinstance(f, OutlierSampleFault)}
+        self._blowups = any(isinstance(f, LrBlowupFault) for f in self._pending)
+        self._blowup: tuple[int, int, float] | None = None  # (from, to, factor) while it lasts
+        self._last_step = -1
         # Health-check faults hold for the whole run on their rank.
         mine = [f for f in faults if getattr(f, "rank", None) == rank]
         self.corrupt_collectives = any(isinstance(f, CorruptAllreduceFault) for f in mine)
@@ -157,6 +164,11 @@ class FaultInjector:
         ``inf_loss`` fault (``one_shot=False`` during re-runs: only the poison applies)."""
         if self.poisoned and not self.poisoned.isdisjoint(sample_ids):
             return loss * float("nan")
+        if self.outliers:
+            ids = list(sample_ids)
+            extra = sum(self.outliers.get(i, 0.0) for i in ids)
+            if extra:
+                return loss + extra / max(len(ids), 1)
         if one_shot and self._take(InfLossFault, step, micro=micro):
             return loss + float("inf")
         return loss
@@ -231,6 +243,21 @@ class FaultInjector:
             for p in core.parameters():
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.add_(f.by)
+
+    def lr_factor(self, step: int) -> float:
+        """``lr_blowup``: the factor on this step's LR (1.0 when none lasts now); a rollback
+        (a step not after the last one asked about) ends it."""
+        if not self._blowups:  # the healthy step runs nothing more of it
+            return 1.0
+        if step <= self._last_step:
+            self._blowup = None
+        self._last_step = step
+        f = self._take_first(lambda f: isinstance(f, LrBlowupFault) and f.step == step, step)
+        if isinstance(f, LrBlowupFault):
+            self._blowup = (step, step + f.steps, f.factor)
+        if self._blowup is not None and self._blowup[0] <= step < self._blowup[1]:
+            return self._blowup[2]
+        return 1.0
 
     def corrupt_shm_due(self, step: int) -> bool:
         return self._take(CorruptShmFault, step)

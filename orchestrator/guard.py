@@ -379,8 +379,9 @@ class Guard:
         with self.lifecycle.closing_on_stop(lambda: self.global_step):
             if self.investigation.active:
                 verdict = self.investigation.judge(self._loss)
-                if verdict is not None:
-                    self._rolled_back(self.recovery.act(verdict))
+                to = self.recovery.act(verdict) if verdict is not None else None
+                if to is not None:
+                    self._rolled_back(to)
                 return PROBE
             return self._check()
 
@@ -427,7 +428,8 @@ class Guard:
             self.shm.corrupt(self.ring.newest(lambda s: s.sealed))
         snap = self.ring.at(self.global_step)  # taken at this step: its digest is compared
         digest = snap.digest if snap is not None and snap.agreed is None else None
-        grads = self.engine.judge(self.adjuster.multiplier())
+        mult = self.adjuster.multiplier() * self.faults.lr_factor(self.global_step)
+        grads = self.engine.judge(mult)
         loss = self._loss if gas == 1 else self._loss / gas
         c = self._checked = self.check.run(
             self.global_step, loss, grads, self.lifecycle.signals.requested,
@@ -438,7 +440,9 @@ class Guard:
             if c.agreed and c.digest is not None:
                 self.recovery.replicas_agreed(self.global_step, c.digest)
         if c.reason is None:
-            outcome = self._commit(OVERFLOW_SKIP if c.overflow else COMMIT, c.loss, c.grad_norm)
+            outcome = self._commit(
+                OVERFLOW_SKIP if c.overflow else COMMIT, c.loss, c.grad_norm, mult
+            )
         else:
             to = self.recovery.on_incident(self.global_step, c, self._loss, self.investigation)
             if to is not None:
@@ -449,13 +453,13 @@ class Guard:
             self.lifecycle.preempt(self.global_step)
         return outcome
 
-    def _commit(self, outcome: str, loss: float, grad_norm: float) -> str:
+    def _commit(self, outcome: str, loss: float, grad_norm: float, lr_multiplier: float) -> str:
         max_norm, coef = self.policy.clip.max_norm, None
         if max_norm is not None and outcome == COMMIT and grad_norm > max_norm:
             # torch's clip_grad_norm_ formula, by the norm the check all-reduced: every rank
             # scales its own (local or sharded) gradients by the same global factor.
             coef = max_norm / (grad_norm + 1e-6)
-        self.engine.commit(self.adjuster.multiplier(), coef)
+        self.engine.commit(lr_multiplier, coef)
         checked = self._checked
         low = self.metrics.after_step(
             self.global_step, outcome, loss, grad_norm, lambda: self.lr, self.engine.loss_scale,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from orchestrator.comm import Comm
-from orchestrator.detect import grad_norm
+from orchestrator.detect import SpikeBar, grad_norm
 from orchestrator.diagnose import ModuleLocator, full_precision
 from orchestrator.engines import Engine
 from orchestrator.incident import Incident
@@ -42,6 +42,9 @@ class Verdict:
     cut_lr: bool
     scale: bool  # apply adjust.loss_scale_factor
     health: bool  # the classification's actions ask for the health checks
+    # A spike's culprits, to re-run once more on an older state before the verdict is final
+    # (recovery restores it, then the investigation goes on: :meth:`Investigation.judge`).
+    confirm: bool = False
 
 
 class Investigation:
@@ -61,6 +64,10 @@ class Investigation:
         self._fp32_ids: list[int] | None = None  # the fp32 re-run to do next
         self._fp32_running = False
         self._precision: str | None = None  # this rank's fp32 re-run verdict
+        self._spike: SpikeBar | None = None  # a loss spike under investigation
+        self._rest = (0.0, 0)  # (loss x samples, samples) of the step found clean
+        self._confirming: Verdict | None = None  # a spike's data verdict being confirmed
+        self._group = 0  # samples in the running re-run on this rank
 
     @property
     def splits(self) -> bool:
@@ -85,20 +92,34 @@ class Investigation:
     @property
     def needs_backward(self) -> bool:
         """The running re-run is judged by its gradients too (else by its loss alone)."""
-        return not self._fp32_running and self.engine.rerun_judges_grads
+        return not self._fp32_running and self._spike is None and self.engine.rerun_judges_grads
 
     def start(
-        self, inc: Incident, step_ids: list[int], step_samples: int, previous: int | None
+        self,
+        inc: Incident,
+        step_ids: list[int],
+        step_samples: int,
+        previous: int | None,
+        spike: SpikeBar | None = None,
+        own_loss: float = 0.0,
     ) -> None:
         """Investigate ``inc``: this rank ran ``step_ids`` in the bad step, all ranks
-        ``step_samples``; ``previous`` is the step of the incident before it, if any."""
+        ``step_samples``; ``previous`` is the step of the incident before it, if any. With
+        ``spike`` (a loss spike), a re-run is bad when its loss clears that bar, widened
+        for its share of the step's samples; else when it is non-finite."""
         suspects = list(step_ids) if self.comm.rank in inc.origin_ranks else []
-        self._probe = Bisection(suspects, filler=step_ids[:1], split=self.splits)
+        cap = int(self.policy.quarantine.max_step_fraction * step_samples)
+        self._probe = Bisection(suspects, filler=step_ids[:1], split=self.splits, cap=cap)
         self._inc, self._step_ids, self._previous = inc, list(step_ids), previous
         self._step_samples, self._reruns = step_samples, 0
+        self._spike, self._group = spike, 0
+        # A spike is the data's only if the rest of the step is clean without the culprits:
+        # the losses of the groups found clean, and the whole step of the ranks without
+        # suspects (what each rank saw in the bad step: ``own_loss``, its mean).
+        self._rest = (0.0, 0) if suspects else (own_loss * len(step_ids), len(step_ids))
         self._locator = (
             ModuleLocator(self.engine.core, backward=self.engine.rerun_judges_grads)
-            if self.policy.diagnose.rerun
+            if self.policy.diagnose.rerun and spike is None
             else None
         )
         self.engine.abandon()
@@ -109,6 +130,7 @@ class Investigation:
         assert self._probe is not None
         fp32, self._fp32_ids = self._fp32_ids, None
         ids = fp32 if fp32 is not None else self._probe.next_group()
+        self._group = len(ids)
         # Forensics hooks exist only during the first re-run (the whole step).
         hooks: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if fp32 is not None:
@@ -124,7 +146,13 @@ class Investigation:
         assert self._probe is not None
         bad = not bool(torch.isfinite(loss).all())
         own = self._probe.current is not None  # this rank re-ran its own samples
-        if self._fp32_running:  # the fp32 re-run: judged by its loss alone
+        if self._spike is not None:  # a loss spike: judged by the loss against its bar
+            share, value = self._group / max(self._step_samples, 1), float(loss.detach().float())
+            bad = self._spike.exceeded(value, share)
+            if own and not bad:
+                self._rest = (self._rest[0] + value * self._group, self._rest[1] + self._group)
+            self._probe.record(bad)
+        elif self._fp32_running:  # the fp32 re-run: judged by its loss alone
             self._fp32_running = False
             self._precision = ("data_or_model" if bad else "precision") if own else None
         else:
@@ -148,18 +176,33 @@ class Investigation:
 
     def _verdict(self) -> Verdict:
         assert self._probe is not None and self._inc is not None
+        if self._confirming is not None:
+            return self._confirmed(self._confirming)
+        mine = list(self._probe.culprits)
         gathered = self.comm.all_gather_object(
             {
                 "culprits": self._probe.culprits,
                 "reproduced": self._probe.reproduced,
                 "located": self._located,
                 "precision": self._precision,
+                "exceeded": self._probe.exceeded,
+                "rest": self._rest,
             }
+        )
+        spike, rest_sum, rest_n = self._spike, 0.0, 0
+        for g in gathered:
+            rest_sum, rest_n = rest_sum + g["rest"][0], rest_n + g["rest"][1]
+        # Without its culprits the step still spikes: every sample shows it (an LR or a
+        # model gone wrong), some more than others; none of them is the data's doing.
+        rest_spikes = (
+            spike is not None
+            and rest_n > 0
+            and spike.exceeded(rest_sum / rest_n, rest_n / max(self._step_samples, 1))
         )
         inc = self._inc
         inc.reproduced = any(g["reproduced"] for g in gathered)
         inc.probe_steps = self._reruns
-        self._probe, self._located, self._precision = None, None, None
+        self._probe, self._located, self._precision, self._spike = None, None, None, None
         actions = {"quarantine", "cut_lr"}  # without forensics: what isolation implies
         if self.policy.diagnose.rerun:
             actions = self._classify(inc, gathered)
@@ -178,7 +221,11 @@ class Investigation:
             why = "not_isolated"
         elif not quarantine:  # diagnose.actions (or quarantine.enabled) said not to
             why = "not_quarantined"
-        elif not 0 < len(found) <= q.max_step_fraction * self._step_samples:
+        elif (
+            rest_spikes
+            or any(g["exceeded"] for g in gathered)
+            or not (0 < len(found) <= q.max_step_fraction * self._step_samples)
+        ):
             why = "most_samples"
         elif self._previous is not None and inc.step <= self._previous:
             # The replay after the last incident failed again before getting past it: a
@@ -187,13 +234,33 @@ class Investigation:
             why = "recurred"
         else:
             adjust = self.policy.adjust
-            return Verdict(
+            data = Verdict(
                 "data", "isolated", found, adjust.cut_lr_on_data, adjust.loss_scale_on_data, health
             )
+            if spike is None:
+                return data
+            # A spike's culprits must spike on an older state too: an outlier sample does
+            # whatever the model; one that spiked only because an LR or a model went wrong
+            # (the samples it hurt most) does not, and quarantining it would be wrong.
+            self._probe = Bisection(mine, filler=self._step_ids[:1], split=False)
+            self._spike, self._confirming = spike, data
+            return Verdict(**{**data.__dict__, "confirm": True})
         # Without bisection (quarantine.isolate off) a reproduced step quarantines its
         # origin ranks' samples whole, as isolation off always has.
         culprits = found if quarantine and not self.splits else []
         return Verdict("unexplained", why, culprits, "cut_lr" in actions, True, health)
+
+    def _confirmed(self, data: Verdict) -> Verdict:
+        """The verdict after a spike's culprits were re-run on an older state: the data's
+        if some rank's still spiked there (those ranks' culprits), else the model's."""
+        assert self._probe is not None and self._inc is not None
+        kept: list[list[int]] = self.comm.all_gather_object(self._probe.culprits)
+        self._inc.probe_steps = self._reruns
+        self._probe, self._spike, self._confirming = None, None, None
+        found = sorted({i for ids in kept for i in ids})
+        if found:
+            return Verdict(**{**data.__dict__, "culprits": found, "confirm": False})
+        return Verdict("unexplained", "not_confirmed", [], True, True, data.health)
 
     def _classify(self, inc: Incident, gathered: list[dict[str, Any]]) -> set[str]:
         """Classify the incident from the re-runs and journal it with the evidence.

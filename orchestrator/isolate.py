@@ -18,7 +18,9 @@ class Bisection:
     are both clean (the samples only fail together) is quarantined whole.
     """
 
-    def __init__(self, suspects: list[int], filler: list[int], split: bool = True) -> None:
+    def __init__(
+        self, suspects: list[int], filler: list[int], split: bool = True, cap: int | None = None
+    ) -> None:
         self.queue: list[tuple[list[int], dict[str, Any] | None]] = (
             [(suspects, None)] if suspects else []
         )
@@ -27,6 +29,12 @@ class Bisection:
         self.culprits: list[int] = []
         self.reproduced = False
         self.current: tuple[list[int], dict[str, Any] | None] | None = None
+        # ``cap``: stop once more than this many culprits are certain (each bad group not
+        # yet resolved holds at least one): a step bad on most of its samples is not the
+        # data's doing, and bisecting it down to every sample would re-run all of them.
+        self.cap = cap
+        self.exceeded = False
+        self._open: set[int] = set()  # ids of the bad groups with no bad part found yet
 
     def next_group(self) -> list[int]:
         self.current = self.queue.pop(0) if self.queue else None
@@ -38,17 +46,23 @@ class Bisection:
         ids, parent = self.current
         if parent is None:
             self.reproduced = bad
+        if bad and parent is not None:
+            self._open.discard(id(parent))  # a bad part stands for it now
         if bad and (len(ids) == 1 or not self.split):
             self.culprits += ids
         elif bad:
             node = {"ids": ids, "pending": 2, "bad": 0}
             half = len(ids) // 2
             self.queue += [(ids[:half], node), (ids[half:], node)]
+            self._open.add(id(node))
         if parent is not None:
             parent["pending"] -= 1
             parent["bad"] += int(bad)
             if parent["pending"] == 0 and parent["bad"] == 0:
                 self.culprits += parent["ids"]
+                self._open.discard(id(parent))
+        if self.cap is not None and len(self.culprits) + len(self._open) > self.cap:
+            self.exceeded, self.queue = True, []
 
     @property
     def pending(self) -> bool:

@@ -111,15 +111,32 @@ class SnapshotPolicy(_Section):
 
 
 class SpikePolicy(_Section):
-    enabled: bool = Field(False, description="Treat loss / grad-norm spikes as incidents.")
+    enabled: bool = Field(
+        True,
+        description="Treat loss / grad-norm spikes as incidents (finite divergence: an LR "
+        "blow-up, outlier samples). A loss spike is re-run like a NaN: samples that "
+        "reproduce it alone are quarantined; one every sample shows cuts the LR.",
+    )
     metrics: list[Literal["loss", "grad_norm"]] = Field(
         default_factory=lambda: ["loss"],  # type: ignore[arg-type]
         description="Which global values are watched.",
     )
-    window: int = Field(100, ge=8, description="Rolling history length (steps).")
+    window: int = Field(
+        100, ge=8, description="Steps of history for the noise (step-to-step changes)."
+    )
     min_history: int = Field(20, ge=4, description="No spike decision before this many steps.")
+    reference_steps: int = Field(
+        5,
+        ge=1,
+        description="A value is compared with the median of this many last values, moved "
+        "along a falling trend (the window's median step-to-step change): the level now.",
+    )
     zscore: float = Field(
-        6.0, gt=0, description="Robust z-score threshold: (x - median) / (1.4826 * MAD)."
+        7.0,
+        gt=0,
+        description="Spike when (x - reference) / noise exceeds this; noise = 1.4826 * "
+        "median |step-to-step change - trend| / sqrt(2) over the window (a trend is not "
+        "noise, as a window's spread around its median would make it).",
     )
 
     @model_validator(mode="after")

@@ -24,7 +24,7 @@ from orchestrator.adjust import LRAdjuster
 from orchestrator.check import Checked
 from orchestrator.comm import Comm
 from orchestrator.cursor import DataCursor
-from orchestrator.detect import grad_norm
+from orchestrator.detect import SpikeBar, grad_norm
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine
 from orchestrator.errors import GaveUp, Unhealthy
@@ -98,7 +98,7 @@ class Recovery:
         policy re-runs steps (None: the loop runs the re-runs next), else recover now and
         return the step rolled back to."""
         assert c.reason is not None
-        inc = self.open_incident(step, c.reason, c.loss, c.grad_norm, loss)
+        inc = self.open_incident(step, c.reason, c.loss, c.grad_norm, loss, c.spike)
         if c.reason == "divergence":
             return self.act_divergence()
         if c.reason == "persistent_overflow":
@@ -106,8 +106,14 @@ class Recovery:
             # batch): nothing is quarantined; back to before the first skip, LR cut.
             self.charge("unexplained", why="persistent_overflow")
             return self.recover([], before=c.overflow_since)
-        if investigation.reruns and c.reason.startswith("nonfinite"):
-            investigation.start(inc, self.cursor.step_ids, self.step_samples, self.previous_step)
+        # A loss spike is re-run as a NaN is (its re-runs judged against its bar); a
+        # grad-norm spike has no per-sample value to bisect by.
+        spike = c.spike if c.spike is not None and c.spike.metric == "loss" else None
+        if investigation.reruns and (c.reason.startswith("nonfinite") or spike is not None):
+            own = float(loss.detach().float().sum()) / self.engine.micro_steps_per_step
+            investigation.start(
+                inc, self.cursor.step_ids, self.step_samples, self.previous_step, spike, own
+            )
             return None
         return self.act_uninvestigated()
 
@@ -183,19 +189,38 @@ class Recovery:
         return self._host_names
 
     def open_incident(
-        self, step: int, reason: str, gloss: float, gnorm: float, loss: torch.Tensor
+        self,
+        step: int,
+        reason: str,
+        gloss: float,
+        gnorm: float,
+        loss: torch.Tensor,
+        spike: SpikeBar | None = None,
     ) -> Incident:
         """Name the origin ranks, gather the evidence, run the health checks if the policy
         says so. Journaled once its cause is known (:meth:`charge`)."""
         local_grads = self.engine.grads()
+        mean = float(loss.detach().float().sum()) / self.engine.micro_steps_per_step
         local = {
             "loss": not bool(torch.isfinite(loss).all()),
             "grads": bool(local_grads) and not bool(torch.isfinite(grad_norm(local_grads))),
+            "samples": len(self.cursor.step_ids),
+            "mean_loss": mean,
         }
-        per_rank: list[dict[str, bool]] = self.comm.all_gather_object(local)
+        per_rank: list[dict[str, Any]] = self.comm.all_gather_object(local)
         origin = [r for r, f in enumerate(per_rank) if f["loss"]] or [
             r for r, f in enumerate(per_rank) if f["grads"]
         ]
+        if spike is not None and spike.metric == "loss":
+            # The ranks whose own mean clears the bar (widened for their share of the
+            # step); none alone: every rank's samples are suspects.
+            total = max(sum(f["samples"] for f in per_rank), 1)
+            origin = [
+                r
+                for r, f in enumerate(per_rank)
+                if f["samples"] and spike.exceeded(f["mean_loss"], f["samples"] / total)
+            ] or [r for r, f in enumerate(per_rank) if f["samples"]]
+        per_rank = [{"loss": f["loss"], "grads": f["grads"]} for f in per_rank]
         inc = Incident(step, reason, gloss, gnorm, origin, time.time(), per_rank)
         self.incidents.append(inc)
         self.open = inc
@@ -228,10 +253,20 @@ class Recovery:
         if inc.budget == "incidents":
             self._escalate_if_over_budget()
 
-    def act(self, verdict: Verdict) -> int:
-        """Recover from an investigated incident. Returns the step rolled back to."""
+    def act(self, verdict: Verdict) -> int | None:
+        """Recover from an investigated incident. Returns the step rolled back to, or None
+        when the investigation goes on first: a spike's culprits are re-run on the oldest
+        sealed snapshot, restored here (:attr:`Verdict.confirm`)."""
         inc = self.open
         assert inc is not None
+        if verdict.confirm:
+            oldest = next((s for s in self.ring.snapshots() if s.sealed), None)
+            if oldest is None:
+                self._give_up(inc.step, f"no sealed snapshot to roll back to at step {inc.step}")
+            assert oldest is not None
+            self.engine.restore(oldest, 1.0)
+            self.decide("confirm", inc.step, samples=verdict.culprits, on_step=oldest.step)
+            return None
         if verdict.health and self.health is not None:
             self.check_health(f"{inc.classification} incident at step {inc.step}", inc.step)
         self.charge(verdict.cause, verdict.why)
@@ -247,7 +282,10 @@ class Recovery:
         self.charge("unexplained", why="not_isolated")
         culprits: list[int] = []
         q = self.policy.quarantine
-        if q.enabled:
+        # Only the user's word (isolation off, or a PaLM-style window) quarantines samples
+        # nothing tied to the incident: a spike of a model or an LR gone wrong is every
+        # sample's, and quarantining innocent ones would spend the data budget on nothing.
+        if q.enabled and (not q.isolate or q.scope == "window"):
             culprits = self.cursor.step_samples(
                 inc.origin_ranks or list(range(self.comm.world_size))
             )

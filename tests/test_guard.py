@@ -91,7 +91,7 @@ def test_ring_that_cannot_fit_fails_at_start(tmp_path: Path) -> None:
         Guard(policy, model=model, optimizer=opt, run_dir=str(tmp_path))
 
 
-def test_spike_is_an_incident_and_quarantines_the_step(tmp_path: Path) -> None:
+def test_spike_is_isolated_to_its_sample(tmp_path: Path) -> None:
     # The samples of step 25: what guard.dataloader(Regression(), batch_size=8, seed=1) yields.
     step_ids = GuardBatchSampler(256, 8, rank=0, world_size=1, seed=1).batch_at(0, 25 * 8)[0]
     policy = {
@@ -103,7 +103,9 @@ def test_spike_is_an_incident_and_quarantines_the_step(tmp_path: Path) -> None:
     (inc,) = events(tmp_path / "run", "incident")
     assert inc["step"] == 25 and inc["details"]["reason"] == "spike_loss"
     (q,) = events(tmp_path / "run", "quarantine")
-    assert q["details"]["samples"] == step_ids  # no isolation for spikes: the whole step
+    # Re-run like a NaN: only the sample whose loss alone clears the bar (its bad label).
+    assert q["details"]["samples"] == [step_ids[3]]
+    assert inc["details"]["cause"] == "data" and inc["details"]["why"] == "isolated"
     assert guard.global_step == 40
 
 

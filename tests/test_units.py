@@ -170,15 +170,57 @@ def test_bisection_finds_culprits() -> None:
     assert _bisect(list(range(8)), {2, 5}, together=True)[0] == list(range(8))
 
 
+def test_bisection_stops_once_more_culprits_than_its_cap_are_certain() -> None:
+    """Every sample bad (an LR blow-up): not bisected down to each of them."""
+    b = Bisection(list(range(16)), filler=[0], cap=4)
+    runs = 0
+    while b.pending:
+        b.next_group()
+        b.record(True)
+        runs += 1
+    # The whole, 2 halves, 4 quarters (4 certain), 2 eighths (5 > 4): 9 re-runs, not 31.
+    assert b.exceeded and runs == 9
+    few = Bisection(list(range(16)), filler=[0], cap=4)
+    while few.pending:
+        few.record(5 in few.next_group())
+    assert few.culprits == [5] and not few.exceeded
+
+
 # --- spikes -------------------------------------------------------------------------------
 def test_spike_detector_robust_zscore() -> None:
     det = SpikeDetector(SpikePolicy(enabled=True, window=16, min_history=8, zscore=6.0))
     for i in range(10):
         assert det.check({"loss": 2.0 + 0.01 * (i % 3), "grad_norm": 1.0}) is None
     hit = det.check({"loss": 5.0, "grad_norm": 1.0})
-    assert hit is not None and hit[0] == "loss" and hit[1] > 6.0
+    assert hit is not None and hit.metric == "loss" and hit.z(5.0) > 6.0
     assert det.check({"loss": 2.01, "grad_norm": 1.0}) is None
+    # No decision before min_history values.
     assert SpikeDetector(SpikePolicy()).check({"loss": 1e9, "grad_norm": 0.0}) is None
+    assert (
+        SpikeDetector(SpikePolicy(enabled=False, min_history=4)).check(
+            {"loss": 1e9, "grad_norm": 0.0}
+        )
+        is None
+    )
+
+
+def test_a_falling_loss_is_not_noise_and_a_spike_on_it_is_caught() -> None:
+    """Fast early training: a window's spread around its median would take the trend for
+    noise (and miss this spike); step-to-step changes do not."""
+    det = SpikeDetector(SpikePolicy(window=100, min_history=20))
+    g = torch.Generator().manual_seed(0)
+    noise = 0.02 * torch.randn(100, generator=g)
+    for i in range(100):
+        assert det.check({"loss": 4.0 - 0.03 * i + float(noise[i]), "grad_norm": 1.0}) is None
+    hit = det.check({"loss": 1.4, "grad_norm": 1.0})  # the trend is at about 1.0 here
+    assert hit is not None and 0.9 < hit.reference < 1.2
+    # A sub-batch's mean is noisier: the bar widens as 1 / sqrt(its share of the step).
+    assert hit.exceeded(1.4, 1.0) and not hit.exceeded(1.4, 1 / 64)
+    # A constant history has no noise; a rounding error is still no spike.
+    flat = SpikeDetector(SpikePolicy(window=16, min_history=8))
+    for _ in range(16):
+        flat.check({"loss": 2.0, "grad_norm": 1.0})
+    assert flat.check({"loss": 2.0 + 1e-6, "grad_norm": 1.0}) is None
 
 
 # --- ledger and journal -------------------------------------------------------------------
