@@ -31,6 +31,15 @@ from torch.utils.data import Dataset
 from orchestrator.adjust import LRAdjuster
 from orchestrator.check import Checked, StepCheck
 from orchestrator.comm import Comm
+from orchestrator.crashes import (
+    IN_BODY,
+    IN_GUARD,
+    CrashProbe,
+    StepMarker,
+    Suspicion,
+    read_marks,
+    suspicion,
+)
 from orchestrator.cursor import DataCursor
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine, engine_for
@@ -143,12 +152,21 @@ class Guard:
             ledger = Ledger(p.quarantine.ledger_url or os.path.join(self.run_dir, LEDGER_NAME))
             # Rank 0 reads, every rank gets the same set: shards must never overlap. Entries
             # an earlier process quarantined but could not write count as well.
+            # The previous attempt's death in a loop body, if it died there (crashes.py):
+            # read before any rank's marker of this attempt replaces it.
             held: list[tuple[list[int], int, str]] = []
+            said: tuple[set[int], Suspicion | None] | None = None
             if comm.rank == 0:
                 loaded = ledger.load()
-                held = held_back(read_journal(self.run_dir), loaded)
+                events = list(read_journal(self.run_dir))
+                held = held_back(events, loaded)
                 loaded |= {i for ids, _, _ in held for i in ids}
-            in_ledger = comm.broadcast_object(loaded if comm.rank == 0 else None)
+                said = (loaded, suspicion(read_marks(self.run_dir), self.attempt, events))
+            in_ledger, self._suspect = comm.broadcast_object(said)
+            crashed = self._suspect.culprits if self._suspect is not None else []
+            in_ledger |= set(crashed)  # quarantined from the start: the replay skips them
+            self.marker = StepMarker(self.run_dir, comm.global_rank, self.attempt)
+            self._probing = False  # running a crash probe (forward only)
             self.cursor = DataCursor(comm, in_ledger, p.quarantine.window_steps)
             self.durable = DurableTier(
                 p, comm, self.engine, self.run_dir, self.journal, self.faults, self._event, self.shm
@@ -192,6 +210,13 @@ class Guard:
                 health=self.health, journal=self.journal,
             )  # fmt: skip
             self.recovery.hold(held)
+            if self._suspect is not None:
+                if crashed:
+                    self.recovery.quarantine_crashed(self._suspect)
+                    self._suspect = None
+                else:
+                    s = self._suspect
+                    self._decide("crash_suspected", s.step, micro=s.micro, ranks=s.ranks)
             self.lifecycle = Lifecycle(
                 p, comm, self.run_dir, journal=self.journal, keeper=self.keeper,
                 durable=self.durable, heartbeat=self.heartbeat, metrics=self.metrics,
@@ -210,6 +235,7 @@ class Guard:
             self._last_commit: float | None = None
             self._history = self._job_history() if self.tuner.active else _History()
             self._write_cost = self._history.write_cost  # training lost per durable write
+            self.lifecycle.on_loop_error = self._loop_error  # an uncaught one, at exit
             self.lifecycle.start(len(in_ledger), lambda: self.global_step)
         except BaseException:
             self._abandon_start()
@@ -315,7 +341,11 @@ class Guard:
             fetched = self.cursor.fetch()
             if fetched is None:
                 continue  # end of an epoch
+            s = self._suspect
+            if s is not None and (s.step, s.micro) == (step, self._micro):
+                yield from self._probe_crash(fetched[0])
             self._begin_batch(fetched[0])
+            self.marker.set(step, self._micro, -1, IN_BODY)
             last = self._micro + 1 >= self.engine.micro_steps_per_step
             with contextlib.nullcontext() if last else self.engine.no_sync():
                 yield fetched[1]  # a micro-batch before the last: no communication
@@ -335,6 +365,9 @@ class Guard:
                 )
             )
         self._given = loss
+        self._phase = "backward"
+        if self._probing:
+            return  # a crash probe: the forward was the test
         real = not self.investigation.active
         self.heartbeat.enter("backward")
         micro = self._micro if real else 0
@@ -375,6 +408,9 @@ class Guard:
                 "or call guard.step()"
             )
         self._phase, self._given = "stepped", None
+        if self._probing:
+            return PROBE
+        self.marker.set(self.global_step, self._micro, -1, IN_GUARD)
         assert self._loss is not None
         with self.lifecycle.closing_on_stop(lambda: self.global_step):
             if self.investigation.active:
@@ -391,15 +427,59 @@ class Guard:
         between_steps = self._phase == "idle" and self.recovery.open is None
         self.lifecycle.close(self.global_step, persist, between_steps and self._resumed)
         self.engine.release()
+        self.marker.close()
 
     def __enter__(self) -> Guard:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         # An error mid-step leaves nothing worth persisting: only a clean exit persists.
+        if isinstance(exc, BaseException):
+            self._loop_error(exc)
         self.close(persist=exc is None or isinstance(exc, RunStop))
 
+    def _loop_error(self, err: BaseException) -> None:
+        """An exception left the loop body (with ``with Guard(...)``, or uncaught at exit):
+        journal the step and this rank's samples with it. The marker stays: the next
+        attempt re-runs those samples one at a time (orchestrator/crashes.py)."""
+        if self._phase not in ("batch", "backward") or isinstance(err, RunStop):
+            return
+        self.journal.write(
+            "loop_error",
+            self.global_step,
+            {"micro": self._micro, "samples": list(self._cur_ids), "probe": self._probing,
+             "error": repr(err)[:500]},
+        )  # fmt: skip
+
     # ------------------------------------------------------------------ the step -------
+    def _probe_crash(self, ids: list[int]) -> Iterator[Any]:
+        """The previous attempt died in the loop body of this micro-batch: before it runs,
+        each rank that was in its loop body runs its samples one at a time (forward only),
+        the marker naming each; every rank runs as many (fillers), so collectives inside
+        the model stay matched. Returns once all passed (journaled: a death in the batch
+        after that quarantines them together)."""
+        s = self._suspect
+        assert s is not None
+        self._suspect = None
+        suspects = list(ids) if self.comm.global_rank in s.ranks else []
+        probe = CrashProbe(suspects, ids[:1], self.comm.all_reduce_max(len(suspects)))
+        self._probing = True
+        try:
+            while probe.pending:
+                group, sample = probe.next()
+                self.marker.set(s.step, s.micro, sample, IN_BODY)
+                batch = self.cursor.rerun_batch(group)
+                self._begin_batch(group)
+                with self.engine.local_grads():
+                    yield batch
+                self._end_batch()
+        finally:
+            self._probing = False
+        if suspects:
+            self.journal.write(
+                "crash_probes_clean", s.step, {"micro": s.micro, "samples": suspects}
+            )
+
     def _begin_batch(self, ids: list[int]) -> None:
         self._cur_ids = ids
         self._phase = "batch"

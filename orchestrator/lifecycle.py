@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -283,6 +284,8 @@ class Lifecycle:
         self.decide = Decisions(journal, comm.rank == 0)
         self.signals = StopSignals()
         self.closed = False
+        # The Guard's account of an exception that left the loop body (``close_forgotten``).
+        self.on_loop_error: Callable[[BaseException], None] | None = None
         self._step: Callable[[], int] = lambda: 0  # the Guard's counter, for close_forgotten
 
     def say_if_done(self, step: int, max_steps: int) -> None:
@@ -329,6 +332,12 @@ class Lifecycle:
         journal ``run_end`` (status ``not_closed``) anyway, and say what was lost."""
         if self.closed:
             return
+        err = getattr(sys, "last_value", None)  # the exception that ended the script
+        if err is not None and self.on_loop_error is not None:
+            try:
+                self.on_loop_error(err)
+            except Exception as e:  # at exit: never mask the script's own outcome
+                logger.warning("journaling the loop's error failed: %r", e)
         step = self._step()
         if self.comm.rank == 0:
             logger.warning(

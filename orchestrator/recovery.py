@@ -23,6 +23,7 @@ from orchestrator import replicas
 from orchestrator.adjust import LRAdjuster
 from orchestrator.check import Checked
 from orchestrator.comm import Comm
+from orchestrator.crashes import Suspicion
 from orchestrator.cursor import DataCursor
 from orchestrator.detect import SpikeBar, grad_norm
 from orchestrator.durable import DurableTier
@@ -137,6 +138,26 @@ class Recovery:
         if odd:
             self._name_culprits(inc.step, odd, "majority")
         return self.recover([], cut_lr=False, scale=False, agreed_only=True)
+
+    def quarantine_crashed(self, found: Suspicion) -> None:
+        """At start: the previous attempt died on these samples (a probe of one, or the
+        batch they make together after each passed alone; orchestrator/crashes.py). They
+        are quarantined like a NaN's culprits (the Guard already skips them) and count
+        against the data budget from now on."""
+        self.decide(
+            "incident", found.step, reason="crash", cause="data", why=found.why,
+            budget="data", origin_ranks=found.ranks, samples=found.culprits, micro=found.micro,
+        )  # fmt: skip
+        written = self._ledger_add(found.culprits, found.step, "crash")
+        self.decide(
+            "quarantine", found.step, samples=found.culprits, reason="crash",
+            ledger=self.ledger.url, persisted=written,
+        )  # fmt: skip
+        if self.comm.rank == 0:
+            self.log.warning(
+                "the last attempt died on sample(s) %s at step %d (%s): quarantined",
+                found.culprits, found.step, found.why,
+            )  # fmt: skip
 
     def replicas_agreed(self, step: int, value: int) -> None:
         """The replicas agreed on ``value`` at ``step``: if a tied divergence was waiting for
