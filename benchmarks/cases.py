@@ -301,6 +301,75 @@ def detect(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def digest(args: argparse.Namespace) -> dict[str, Any]:
+    """The replica digest against a training step, and the spike detector's own cost: the
+    digest (parameters + AdamW state) and its comparison run at each snapshot step, so
+    their cost per step is amortized over snapshot.every_steps (the default 10); the
+    snapshot copy beside it for scale. A step is timed plainly (forward, backward, AdamW),
+    medians of interleaved repetitions."""
+    from orchestrator import replicas
+    from orchestrator.detect import SpikeDetector, pack_local
+    from orchestrator.policy_sections import SpikePolicy
+
+    comm = Comm()
+    model, opt = _trained(args)
+    engine = TorchEngine(model, opt)
+    engine.release()  # the plain step below steps the optimizer itself
+    ds = SyntheticTokens(100_000, SEQ, VOCAB)
+    it = iter(torch.utils.data.DataLoader(ds, batch_size=args.batch_size))
+    ring = SnapshotRing(keep=2)
+    first = ring.capture(0, engine.state())
+    assert first is not None
+    first.sealed = True
+
+    def step() -> None:
+        loss_of(model, next(it)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def digest_and_compare() -> None:
+        d = replicas.digest(engine.digest_tensors()[0])
+        assert d is not None
+        replicas.agreed(*replicas.compare_async(comm, d))  # its host read: the step's sync
+
+    def check() -> None:
+        loss = torch.zeros(())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+        comm.all_reduce_sum_(pack_local(loss, grads, True)).tolist()
+
+    t = interleaved(
+        {
+            "step": step,
+            "digest": digest_and_compare,
+            "check": check,
+            "snapshot": lambda: ring.capture(1, engine.state()),
+        },
+        args.reps,
+    )
+    det = SpikeDetector(SpikePolicy())
+    for i in range(200):  # a full window
+        det.check({"loss": 3.0 - 0.001 * i, "grad_norm": 1.0})
+    n = 2000
+    t0 = time.perf_counter()
+    for i in range(n):
+        det.check({"loss": 2.8 - 1e-5 * i, "grad_norm": 1.0})
+    spike_s = (time.perf_counter() - t0) / n
+    every = 10
+    per_step = t["digest"] / every
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "step_ms": t["step"] * 1e3,
+        "digest_ms": t["digest"] * 1e3,
+        "snapshot_ms": t["snapshot"] * 1e3,
+        "check_ms": t["check"] * 1e3,
+        "every_steps": every,
+        "digest_pct": 100 * per_step / t["step"],
+        "check_and_digest_pct": 100 * (t["check"] + per_step) / t["step"],
+        "spike_us": spike_s * 1e6,
+        "latency_steps": every,
+    }
+
+
 def _check_output(module: torch.nn.Module, inputs: Any, output: Any) -> None:
     if isinstance(output, torch.Tensor) and not bool(torch.isfinite(output).all()):
         raise FloatingPointError(type(module).__name__)
@@ -368,7 +437,7 @@ def recovery(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-CASES = {"snapshot": snapshot, "detect": detect, "recovery": recovery}
+CASES = {"snapshot": snapshot, "detect": detect, "recovery": recovery, "digest": digest}
 
 
 def main() -> None:

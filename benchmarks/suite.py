@@ -26,7 +26,14 @@ DOCS = HERE.parent / "docs" / "benchmarks.md"
 START, END = "<!-- bench-suite:start -->", "<!-- bench-suite:end -->"
 
 #: host bytes per parameter per rank a case needs, roughly (state, grads, ring, staging)
-BYTES_PER_PARAM = {"snapshot": 56, "detect": 24, "recovery": 48, "deepspeed": 48, "fsdp": 40}
+BYTES_PER_PARAM = {
+    "snapshot": 56,
+    "detect": 24,
+    "recovery": 48,
+    "deepspeed": 48,
+    "fsdp": 40,
+    "digest": 56,
+}
 PARAMS = {"10M": 10e6, "100M": 100e6, "500M": 500e6}
 DIMS = {"10M": (256, 12), "100M": (768, 14), "500M": (1536, 17)}
 
@@ -46,6 +53,8 @@ def plan(quick: bool) -> list[dict[str, Any]]:
             runs.append(_run("deepspeed", "bench_deepspeed.py", 2, size, args, stage=stage))
         if size != "500M":
             runs.append(_run("recovery", "cases.py", 1, size, ["recovery", "--size", size]))
+            for n in (1, 2):
+                runs.append(_run("digest", "cases.py", n, size, ["digest", "--size", size, *reps]))
     steps = ["--steps", "5" if quick else "20"]
     for n in (1, 2):
         runs.append(_run("detect", "cases.py", n, "10M", ["detect", "--size", "10M", *steps]))
@@ -222,6 +231,29 @@ def tables(results: list[dict[str, Any]]) -> str:
                 f"| {x['check_pct']:.2f}%{'' if x['check_pct'] <= 1 else ' MISSED'} "
                 f"| {x['hooks_pct']:+.0f}%{'' if x['hooks_pct'] >= 20 else ' MISSED'} "
                 f"| {x['anomaly_pct']:+.0f}%{'' if x['anomaly_pct'] >= 25 else ' MISSED'} |"
+            )
+        lines.append("")
+
+    dig = [r for r in done if r["case"] == "digest"]
+    if dig:
+        lines += [
+            "**Replica digest** (parameters + AdamW state, at each snapshot step: amortized "
+            "over snapshot.every_steps = 10, the detection latency in steps; target: the "
+            "whole check with the digest <= 1% of the step; the spike detector per step, "
+            "on the host, no collective)",
+            "",
+            "| params | ranks | step | digest + compare | snapshot copy | amortized "
+            "| check + digest | latency | spike detector |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in dig:
+            x = r["result"]
+            total = x["check_and_digest_pct"]
+            lines.append(
+                f"| {r['size']} | {x['world_size']} | {x['step_ms']:.0f} ms "
+                f"| {x['digest_ms']:.1f} ms | {x['snapshot_ms']:.1f} ms "
+                f"| {x['digest_pct']:.2f}% | {total:.2f}%{'' if total <= 1 else ' MISSED'} "
+                f"| {x['latency_steps']} steps | {x['spike_us']:.0f} us |"
             )
         lines.append("")
 

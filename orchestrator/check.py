@@ -103,7 +103,7 @@ class StepCheck:
             if overflow and self._persistent():
                 reason, overflow, since = "persistent_overflow", False, step - self._skips + 1
         else:
-            spike = self.spikes.check({"loss": gloss, "grad_norm": gnorm})
+            spike = self.spikes.check({"loss": gloss, "grad_norm": gnorm}, step)
             if spike is not None:
                 reason = f"spike_{spike.metric}"
         self._skips = self._skips + 1 if overflow else 0
@@ -114,6 +114,11 @@ class StepCheck:
             gloss, gnorm, reason, overflow, vals[STOP] > 0, self.durable.busy, seconds,
             agreed=agreed, digest=top, overflow_since=since, spike=spike,
         )  # fmt: skip
+
+    def rewind(self, step: int) -> None:
+        """Rolled back to ``step``: the spike history and the overflow streak with it."""
+        self.spikes.rewind(step)
+        self._skips = 0
 
     def _persistent(self) -> bool:
         """This overflow is one skip too many: ``detect.overflow.max_skips`` in a row, or

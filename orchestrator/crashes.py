@@ -27,6 +27,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 MARKER_DIR = "markers"
 _FORMAT = "<qqqqq"  # attempt, step, micro, probe sample (-1: the batch itself), state
 _SIZE = struct.calcsize(_FORMAT)
@@ -120,9 +122,20 @@ def suspicion(marks: list[Mark], attempt: int, events: list[dict[str, Any]]) -> 
     last = [m for m in marks if m.attempt == latest and m.state == IN_BODY]
     if not last:
         return None
+    # Ranks that died of a peer's death (their collective failed: loop_error says so) are
+    # not the culprit's: where the model's forward has collectives (FSDP), every rank is in
+    # a probe when one sample kills its rank.
+    collateral = {
+        e.get("rank")
+        for e in events
+        if e.get("kind") == "loop_error"
+        and e.get("attempt") == latest
+        and (e.get("details") or {}).get("collective")
+    }
     probing = [m for m in last if m.probe >= 0]
-    if probing:
-        m = probing[0]
+    own = [m for m in probing if m.rank not in collateral]
+    if own or probing:
+        m = (own or probing)[0]
         return Suspicion(m.step, m.micro, [m.rank], [m.probe], why="died_in_probe")
     step, micro = min((m.step, m.micro) for m in last)
     ranks = sorted(m.rank for m in last if (m.step, m.micro) == (step, micro))
@@ -138,6 +151,20 @@ def suspicion(marks: list[Mark], attempt: int, events: list[dict[str, Any]]) -> 
         ids = sorted({i for e in clean for i in e["details"].get("samples", [])})
         return Suspicion(step, micro, ranks, ids, why="died_together")
     return Suspicion(step, micro, ranks)
+
+
+#: What a rank's error says when it died of a peer's death, not of its own samples.
+_PEER_DIED = ("connection closed by peer", "connection reset", "broken pipe", "gloo", "nccl")
+
+
+def collective_failure(err: BaseException) -> bool:
+    """``err`` is a collective that failed because a peer died (gloo raises a plain
+    RuntimeError naming its transport; NCCL a DistBackendError)."""
+    dist_error = getattr(getattr(torch, "distributed", None), "DistError", None)
+    if dist_error is not None and isinstance(err, dist_error):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and any(p in text for p in _PEER_DIED)
 
 
 class CrashProbe:

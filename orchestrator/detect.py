@@ -96,27 +96,35 @@ class SpikeDetector:
 
     def __init__(self, policy: SpikePolicy) -> None:
         self.policy = policy
-        self.history: dict[str, deque[float]] = {
+        # (step, value) per metric: a rollback takes back the values of the steps it undid.
+        self.history: dict[str, deque[tuple[int, float]]] = {
             m: deque(maxlen=policy.window) for m in policy.metrics
         }
 
-    def check(self, values: dict[str, float]) -> SpikeBar | None:
-        """The bar of the first spiking metric, else record the values and return None."""
+    def check(self, values: dict[str, float], step: int = 0) -> SpikeBar | None:
+        """The bar of the first spiking metric, else record the values of ``step`` and
+        return None."""
         if not self.policy.enabled:
             return None
         for m, hist in self.history.items():
             x = values[m]
             if len(hist) >= self.policy.min_history and math.isfinite(x):
-                bar = self._bar(m, hist)
+                bar = self._bar(m, [v for _, v in hist])
                 if bar.exceeded(x, 1.0):
                     return bar
         for m, hist in self.history.items():
             if math.isfinite(values[m]):
-                hist.append(values[m])
+                hist.append((step, values[m]))
         return None
 
-    def _bar(self, metric: str, hist: deque[float]) -> SpikeBar:
-        h = list(hist)
+    def rewind(self, step: int) -> None:
+        """Rolled back to ``step``: forget the values of the steps from there on (their
+        replay is compared with the history before them, not with its own future)."""
+        for hist in self.history.values():
+            while hist and hist[-1][0] >= step:
+                hist.pop()
+
+    def _bar(self, metric: str, h: list[float]) -> SpikeBar:
         k = self.policy.reference_steps
         changes = sorted(b - a for a, b in itertools.pairwise(h))
         # A falling trend (early training) lowers what the next value should be: the median

@@ -105,6 +105,26 @@ class OutlierSampleFault(_Fault):
     extra: float = Field(20.0, gt=0, description="Added to that sample's loss.")
 
 
+class CrashSampleFault(_Fault):
+    """A batch holding this sample kills its rank in the loop body, every time (real
+    passes and re-runs alike), as a token id past the vocabulary does in an embedding."""
+
+    kind: Literal["crash_sample"]
+    sample: int = Field(ge=0, description="Dataset index of the sample that kills.")
+    how: Literal["raise", "kill"] = Field(
+        "raise", description="raise: IndexError in the loop body; kill: SIGKILL (an OOM kill)."
+    )
+
+
+class BrokenGradsFault(_Fault):
+    """From this step on, every step's gradients hold a NaN (a model broken for good, its
+    loss finite): with a loss scaler, every step an overflow skip."""
+
+    kind: Literal["broken_grads"]
+    step: int = Field(ge=0, description="The first broken step.")
+    rank: int = Field(0, ge=0, description="Global rank whose gradients break.")
+
+
 class StorageErrorFault(_Fault):
     kind: Literal["storage_error"]
     op: Literal["write", "read"] = Field("write", description="Which storage operations fail.")
@@ -209,6 +229,8 @@ Fault = Annotated[
     | PerturbParamsFault
     | LrBlowupFault
     | OutlierSampleFault
+    | CrashSampleFault
+    | BrokenGradsFault
     | StorageErrorFault
     | SlowStorageFault
     | TruncateSnapshotFault

@@ -31,10 +31,12 @@ if TYPE_CHECKING:
     from orchestrator.store import DurableStore
 
 from orchestrator.fault_kinds import (
+    BrokenGradsFault,
     CorruptAllreduceFault,
     CorruptManifestFault,
     CorruptShmFault,
     CrashFault,
+    CrashSampleFault,
     ExitFault,
     Fault,
     FlakyComputeFault,
@@ -131,6 +133,11 @@ class FaultInjector:
         ]
         self.poisoned = frozenset(f.sample for f in faults if isinstance(f, PoisonSampleFault))
         self.outliers = {f.sample: f.extra for f in faults if isinstance(f, OutlierSampleFault)}
+        self.killers = {f.sample: f.how for f in faults if isinstance(f, CrashSampleFault)}
+        self._broken = min(
+            (f.step for f in faults if isinstance(f, BrokenGradsFault) and f.rank == rank),
+            default=None,
+        )
         self._blowups = any(isinstance(f, LrBlowupFault) for f in self._pending)
         self._blowup: tuple[int, int, float] | None = None  # (from, to, factor) while it lasts
         self._last_step = -1
@@ -161,7 +168,10 @@ class FaultInjector:
         micro: int = 0,
     ) -> torch.Tensor:
         """The loss as the faults make it: NaN for a poisoned sample, plus inf for an
-        ``inf_loss`` fault (``one_shot=False`` during re-runs: only the poison applies)."""
+        ``inf_loss`` fault (``one_shot=False`` during re-runs: only the poison applies); a
+        ``crash_sample`` kills the process here, in the loop body."""
+        if self.killers:
+            self._kill_for(sample_ids)
         if self.poisoned and not self.poisoned.isdisjoint(sample_ids):
             return loss * float("nan")
         if self.outliers:
@@ -203,8 +213,18 @@ class FaultInjector:
                 return True
         return False
 
+    def _kill_for(self, sample_ids: Iterable[int]) -> None:
+        for i in sample_ids:
+            how = self.killers.get(i)
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if how == "raise":
+                raise IndexError(f"index out of range in self (crash_sample fault: sample {i})")
+
     def grad_fault(self, step: int, micro: int = 0) -> bool:
         """True when a NaN must be written into a gradient of this micro-batch."""
+        if self._broken is not None and step >= self._broken:
+            return True
         return self._take(NanGradFault, step, micro=micro)
 
     def process_faults(self, step: int, settle: Callable[[], object] = lambda: None) -> None:

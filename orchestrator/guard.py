@@ -37,6 +37,7 @@ from orchestrator.crashes import (
     CrashProbe,
     StepMarker,
     Suspicion,
+    collective_failure,
     read_marks,
     suspicion,
 )
@@ -366,12 +367,12 @@ class Guard:
             )
         self._given = loss
         self._phase = "backward"
-        if self._probing:
-            return  # a crash probe: the forward was the test
-        real = not self.investigation.active
+        real = not self.investigation.active and not self._probing
         self.heartbeat.enter("backward")
         micro = self._micro if real else 0
         loss = self.faults.on_loss(loss, self.global_step, self._cur_ids, real, micro)
+        if self._probing:
+            return  # a crash probe: the forward was the test
         detached = loss.detach()
         if real and self._micro > 0 and self._loss is not None:
             self._loss = self._loss + detached  # gradient accumulation: checked as the mean
@@ -448,7 +449,7 @@ class Guard:
             "loop_error",
             self.global_step,
             {"micro": self._micro, "samples": list(self._cur_ids), "probe": self._probing,
-             "error": repr(err)[:500]},
+             "error": repr(err)[:500], "collective": collective_failure(err)},
         )  # fmt: skip
 
     # ------------------------------------------------------------------ the step -------
@@ -573,6 +574,7 @@ class Guard:
 
     def _rolled_back(self, step: int) -> None:
         self.global_step, self._micro = step, 0
+        self.check.rewind(step)
         self._last_commit = None  # the incident's time is not a step's
 
     # ------------------------------------------------------------------ auto intervals --

@@ -13,7 +13,16 @@ import pytest
 import yaml
 
 from conftest import free_port, kinds, run
-from orchestrator.crashes import IDLE, IN_BODY, IN_GUARD, Mark, StepMarker, read_marks, suspicion
+from orchestrator.crashes import (
+    IDLE,
+    IN_BODY,
+    IN_GUARD,
+    Mark,
+    StepMarker,
+    collective_failure,
+    read_marks,
+    suspicion,
+)
 from orchestrator.data import GuardBatchSampler
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,6 +43,13 @@ def test_a_marker_outlives_its_process_and_is_written_only_from_the_first_batch(
     assert read_marks(str(tmp_path))[0].state == IDLE
 
 
+def test_a_peer_s_death_is_told_from_a_sample_s() -> None:
+    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [::1]")
+    assert collective_failure(gloo)
+    assert not collective_failure(IndexError("index out of range in self"))
+    assert not collective_failure(RuntimeError("CUDA out of memory. Tried to allocate 2 GiB"))
+
+
 def test_what_the_next_attempt_makes_of_a_death() -> None:
     body = [Mark(0, 2, 23, 0, -1, IN_GUARD), Mark(1, 2, 23, 0, -1, IN_BODY)]
     s = suspicion(body, 3, [])
@@ -42,6 +58,12 @@ def test_what_the_next_attempt_makes_of_a_death() -> None:
     probe = [Mark(0, 3, 23, 0, 297, IN_BODY), Mark(1, 3, 23, 0, 420, IN_BODY)]
     s = suspicion(probe, 4, [])
     assert s is not None and s.culprits == [297] and s.why == "died_in_probe"
+    # FSDP: every rank is in a probe (the forward's collectives); the rank whose probe
+    # failed of its peer's death is not the culprit's.
+    peer = [{"kind": "loop_error", "attempt": 3, "rank": 0, "step": 23,
+             "details": {"collective": True}}]  # fmt: skip
+    s = suspicion(probe, 4, peer)
+    assert s is not None and s.culprits == [420] and s.ranks == [1]
     # Every sample passed alone, the batch killed again: all of them, together.
     clean = [{"kind": "crash_probes_clean", "step": 23, "rank": 1,
               "details": {"micro": 0, "samples": [5, 9]}}]  # fmt: skip
@@ -65,7 +87,8 @@ def test_a_sample_that_raises_in_the_loop_body_is_quarantined_within_3_attempts(
     bad = sampler.global_batch_at(0, 23 * 16)[11]  # step 23, rank 1
     d = tmp_path / "run"
     policy = tmp_path / "policy.yaml"
-    policy.write_text(yaml.safe_dump({"persist": {"every_steps": 10}}))
+    fast = {"backoff_s": 0.2, "backoff_max_s": 0.5}  # restarts at once: a test, not a cluster
+    policy.write_text(yaml.safe_dump({"persist": {"every_steps": 10}, "supervisor": fast}))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1", "--master-port", str(free_port())]  # fmt: skip
     r = run([sys.executable, "-m", "launch.cli", "launch", "--policy", str(policy),

@@ -216,6 +216,15 @@ def test_a_falling_loss_is_not_noise_and_a_spike_on_it_is_caught() -> None:
     assert hit is not None and 0.9 < hit.reference < 1.2
     # A sub-batch's mean is noisier: the bar widens as 1 / sqrt(its share of the step).
     assert hit.exceeded(1.4, 1.0) and not hit.exceeded(1.4, 1 / 64)
+    # A rollback takes the undone steps' values back: their replay is compared with the
+    # history before them, not with the trend projected past them.
+    steep = SpikeDetector(SpikePolicy(window=100, min_history=20))
+    series = [4.0 - 0.05 * i + 0.002 * (i % 3) for i in range(30)]
+    for i, x in enumerate(series):
+        assert steep.check({"loss": x, "grad_norm": 1.0}, step=i) is None
+    assert steep.check({"loss": series[20], "grad_norm": 1.0}, step=30) is not None
+    steep.rewind(20)
+    assert steep.check({"loss": series[20], "grad_norm": 1.0}, step=20) is None
     # A constant history has no noise; a rounding error is still no spike.
     flat = SpikeDetector(SpikePolicy(window=16, min_history=8))
     for _ in range(16):
