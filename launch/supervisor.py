@@ -14,6 +14,7 @@ events the workers wrote for that attempt (``gave_up``, ``preempted``, ``unhealt
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -21,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -101,8 +103,7 @@ class Supervisor:
         self.run_dir = os.path.abspath(run_dir)
         self.cmd = cmd
         os.makedirs(self.run_dir, exist_ok=True)
-        self.policy_path = os.path.join(self.run_dir, POLICY_NAME)
-        write_policy(self.policy_path, policy)
+        self.policy_path = self._write_policy(policy)
         self.host = socket.gethostname()
         self.node = node_name()  # the hostname, or $ORCHESTRATOR_NODE when simulating nodes
         self._signals = 0
@@ -167,6 +168,9 @@ class Supervisor:
             self.alerter.wait()
             if self.exporter is not None:
                 self.exporter.close()
+            if os.path.dirname(self.policy_path) != self.run_dir:  # a temporary one
+                with contextlib.suppress(OSError):
+                    os.unlink(self.policy_path)
             for s, h in old.items():
                 signal.signal(s, h)
 
@@ -359,6 +363,21 @@ class Supervisor:
         state: Any = type("S", (), {"attempt_number": restart})()
         return float(wait(state)) if self.sup.backoff_s > 0 else 0.0
 
+    def _write_policy(self, policy: Policy) -> str:
+        """The resolved policy for the workers (``ORCHESTRATOR_POLICY``): in the run directory,
+        or, when it cannot be written there (a full disk), in a temporary file. Bookkeeping
+        must not stop the job; the workers need the policy, not its place."""
+        path = os.path.join(self.run_dir, POLICY_NAME)
+        try:
+            write_policy(path, policy)
+            return path
+        except OSError as err:
+            fd, tmp = tempfile.mkstemp(prefix="orchestrator-policy-", suffix=".yaml")
+            os.close(fd)
+            write_policy(tmp, policy)
+            self._say(f"{path} cannot be written ({err}); the workers read the policy from {tmp}")
+            return tmp
+
     def _stop(self, journal: Journal, code: int, why: str, best: int) -> tuple[int, str]:
         self._announce()
         event = journal.write(
@@ -393,8 +412,6 @@ class Supervisor:
 
     # --- one attempt ----------------------------------------------------------------------
     def _run_attempt(self, attempt: int) -> Attempt:
-        log_dir = os.path.join(self.run_dir, ATTEMPTS_DIR, str(attempt))
-        os.makedirs(log_dir, exist_ok=True)
         env = {
             **os.environ,
             ENV_POLICY: self.policy_path,
@@ -406,7 +423,7 @@ class Supervisor:
         started = time.time()
         self._max_step = None
         self._lost = self._ended = None
-        with open(self._log_path(attempt), "ab") as log:
+        with self._open_log(attempt) as log:
             try:
                 self._proc = proc = subprocess.Popen(
                     self.cmd,
@@ -450,6 +467,16 @@ class Supervisor:
         if stalled is not None:
             return Attempt(attempt, rc, HANG, best, runtime, stalled, ended)
         return Attempt(attempt, rc, classify(self.run_dir, rc, attempt), best, runtime, None, ended)
+
+    def _open_log(self, attempt: int) -> Any:
+        """The attempt's output log; where it cannot be opened (a full or read-only disk),
+        the output still goes to the console."""
+        try:
+            os.makedirs(os.path.dirname(self._log_path(attempt)), exist_ok=True)
+            return open(self._log_path(attempt), "ab")
+        except OSError as err:
+            self._say(f"{self._log_path(attempt)} cannot be written ({err}): console only")
+            return open(os.devnull, "ab")
 
     def _watch(
         self, proc: subprocess.Popen[bytes], attempt: int, started: float

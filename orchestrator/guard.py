@@ -177,8 +177,12 @@ class Guard:
             self._checked: Checked | None = None  # the last step's check, as every rank saw it
             check_memory(p, comm, self.engine, self.shm.root if self.shm else None)
             self.metrics = Metrics(
-                p.metrics, self.run_dir, self.attempt, comm.rank == 0, p.export.tensorboard_dir
-            )
+                p.metrics, self.run_dir, self.attempt, comm.rank == 0, p.export.tensorboard_dir,
+                on_error=lambda err: self.journal.write(
+                    "write_failed", self.global_step,
+                    {"file": "metrics", "path": self.metrics.path, "error": repr(err)},
+                ),
+            )  # fmt: skip
             self.faults.install_module_faults(
                 self.engine.core, lambda: self.global_step, lambda: self.investigation.incident_step
             )

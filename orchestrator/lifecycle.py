@@ -306,7 +306,13 @@ class Lifecycle:
         p = self.policy
         watch_supervisor()  # under `orchestrator launch`: end with it, never outlive it
         if self.comm.rank == 0:
-            write_policy(os.path.join(self.run_dir, POLICY_NAME), p)
+            path = os.path.join(self.run_dir, POLICY_NAME)
+            try:
+                write_policy(path, p)
+            except OSError as err:  # bookkeeping: the run goes on (the policy is in memory)
+                logger.error("rank 0: %s cannot be written (%s); training goes on", path, err)
+                self.journal.write("write_failed", 0, {"file": POLICY_NAME, "path": path,
+                                                       "error": repr(err)})  # fmt: skip
         self.decide(
             "run_start",
             0,

@@ -55,6 +55,21 @@ ARCHIVE_DIR = "archive"  # archive/<time>/: what earlier runs left, moved by lau
 SUPERVISORS_DIR = "supervisors"
 
 
+def clock_id() -> str:
+    """Which CLOCK_MONOTONIC this process reads: the same for every process of one boot of a
+    host in one time namespace, whose ``time.monotonic()`` values therefore compare. Empty
+    when it cannot be told (not Linux)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        return ""
+    try:
+        return f"{boot}/{os.readlink('/proc/self/ns/time')}"
+    except OSError:  # kernels before time namespaces: one monotonic clock per boot
+        return boot
+
+
 def node_name() -> str:
     """This node's name: $ORCHESTRATOR_NODE, else the hostname."""
     return os.environ.get(ENV_NODE) or socket.gethostname()
