@@ -57,7 +57,12 @@ def load(run_dir: str) -> RunRecord:
 OTHER = {
     "unhealthy": lambda d: (f"ranks {d.get('ranks')} on {d.get('hosts')}", "stopped, exit 72"),
     "gave_up": lambda d: (str(d.get("why")), "stopped, exit 71"),
-    "preempted": lambda d: (f"snapshot written: {d.get('persisted')}", "stopped, exit 73"),
+    "preempted": lambda d: (
+        f"snapshot written: {d.get('persisted')}",
+        "stopped, exit 73"
+        if d.get("persisted")
+        else f"stopped, exit 143: {d.get('steps_lost', '?')} step(s) lost",
+    ),
     "update_ratio_low": lambda d: (f"update/weight {d.get('ratio', 0):.2g}", "warning"),
     "persist_failed": lambda d: (str(d.get("error"))[:80], "training went on"),
     "hang": lambda d: (hang_evidence(d), f"attempt killed; stacks in {d.get('stacks')}"),

@@ -45,9 +45,11 @@ from launch.outcomes import (
     Attempt,
     classify,
     exclude_hosts,
+    gave_up_reason,
     history,
     last_journaled_step,
     next_attempt_number,
+    preemption,
 )
 from launch.procs import Handles, descendants, describe, die_with_parent, tee
 from launch.replica import Replicator
@@ -76,6 +78,7 @@ from orchestrator.protocol import (
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_RESTARTS_EXHAUSTED,
+    EXIT_STOPPED,
     EXIT_UNHEALTHY,
     POLICY_NAME,
     SUPERVISOR_RANK,
@@ -87,6 +90,9 @@ from orchestrator.stacks import STACK_SIGNAL
 
 logger = logging.getLogger(__name__)
 HANG_GRACE_S = 5.0  # after SIGTERM, what a hung attempt gets before SIGKILL
+# How long the exit code of a preemption waits for the preempted event that says whether
+# its durable snapshot was written (the rank that commits may be on another node).
+PREEMPTED_WAIT_S = 10.0
 ALERT_ON_EXIT = {  # the supervisor's exits that page someone (alerts.events)
     EXIT_GAVE_UP: "gave_up",
     EXIT_UNHEALTHY: "unhealthy",
@@ -209,7 +215,7 @@ class Supervisor:
                 if self.nnodes > 1:
                     self._await_peers(attempt)
                 if self._signals:
-                    return self._stop(journal, 128 + signal.SIGTERM, "stopped on request", best)
+                    return self._stop(journal, EXIT_STOPPED, "stopped on request", best)
                 journal.write(
                     EVENT_ATTEMPT_START,
                     best,
@@ -247,18 +253,25 @@ class Supervisor:
                     return self._stop(journal, EXIT_OK, "finished", best)
                 if self._lost is not None:
                     return self._stop(journal, EXIT_NODE_LOST, f"node lost: {self._lost}", best)
+                if a.outcome == PREEMPTED:  # 73 only when its durable snapshot was written
+                    code, why = self._preempted(attempt, a.returncode)
+                    return self._stop(journal, code, why, best)
                 if self._signals:
-                    code = EXIT_PREEMPTED if a.outcome == PREEMPTED else 128 + signal.SIGTERM
-                    return self._stop(journal, code, "stopped on request (signal)", best)
+                    return self._stop(
+                        journal,
+                        EXIT_STOPPED,
+                        "stopped on request (signal); the workers did not stop as preempted, "
+                        "so no durable snapshot was written for it: a requeue resumes from the "
+                        "newest one",
+                        best,
+                    )
                 if a.outcome == GAVE_UP:
                     return self._stop(
                         journal,
                         EXIT_GAVE_UP,
-                        "the workers gave up (a budget is spent); see gave_up in the journal",
+                        f"the workers gave up: {gave_up_reason(self.run_dir, attempt)}",
                         best,
                     )
-                if a.outcome == PREEMPTED:
-                    return self._stop(journal, EXIT_PREEMPTED, "the workers were preempted", best)
                 ended = self._ended or (self.peers.ended() if self.nnodes > 1 else None)
                 if ended is not None:  # no use restarting: that node will not join
                     return self._stop(
@@ -318,7 +331,7 @@ class Supervisor:
                     f"restart {restarts} in {delay:.1f} s"
                 )
                 if self._sleep(delay):
-                    return self._stop(journal, 128 + signal.SIGTERM, "stopped on request", best)
+                    return self._stop(journal, EXIT_STOPPED, "stopped on request", best)
                 # One past ours, or the attempt the other nodes are already in (launch/nodes.py).
                 attempt = max(attempt + 1, next_attempt_number(self.run_dir, self.node))
         finally:
@@ -377,6 +390,34 @@ class Supervisor:
             write_policy(tmp, policy)
             self._say(f"{path} cannot be written ({err}); the workers read the policy from {tmp}")
             return tmp
+
+    def _preempted(self, attempt: int, returncode: int) -> tuple[int, str]:
+        """Exit 73 only when the preemption's durable snapshot was written (a worker's own
+        73 says so too); else 143, said loudly with how many steps are lost (the
+        preempted event has them)."""
+        event = preemption(self.run_dir, attempt, PREEMPTED_WAIT_S)
+        d = event["details"] if event is not None else {}
+        if d.get("persisted") is True or (event is None and returncode == EXIT_PREEMPTED):
+            return EXIT_PREEMPTED, "the workers were preempted after a durable snapshot"
+        if event is None:
+            why = (
+                "the workers were stopped while writing the durable snapshot of their "
+                "preemption (no preempted event followed): it was not written"
+            )
+        else:
+            newest = d.get("durable_step")
+            why = (
+                f"PREEMPTED WITHOUT A DURABLE SNAPSHOT at step {event['step']} (the write to "
+                f"{d.get('url')} failed or outran supervisor.grace_s; see persist_failed in "
+                "the journal): "
+                + (
+                    f"the newest durable snapshot is step {newest}"
+                    if newest is not None
+                    else "there is no durable snapshot"
+                )
+                + f", so {d.get('steps_lost')} step(s) are lost and will be trained again"
+            )
+        return EXIT_STOPPED, f"{why}; exit {EXIT_STOPPED}, not {EXIT_PREEMPTED}"
 
     def _stop(self, journal: Journal, code: int, why: str, best: int) -> tuple[int, str]:
         self._announce()

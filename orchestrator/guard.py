@@ -46,13 +46,14 @@ from orchestrator.lifecycle import (
     Lifecycle,
     agree_attempt,
     check_memory,
+    load_ledger,
     open_shm,
     resolve_run_dir,
 )
 from orchestrator.metrics import Metrics
 from orchestrator.policy import Policy, load_policy
 from orchestrator.protocol import ENV_SHM_DIR, LEDGER_NAME
-from orchestrator.quarantine import Ledger, held_back
+from orchestrator.quarantine import Ledger
 from orchestrator.recovery import Recovery
 from orchestrator.snapshot import SnapshotRing
 from orchestrator.tuning import Measured, Tuner, resolve_auto, ring_min_steps
@@ -143,12 +144,7 @@ class Guard:
             ledger = Ledger(p.quarantine.ledger_url or os.path.join(self.run_dir, LEDGER_NAME))
             # Rank 0 reads, every rank gets the same set: shards must never overlap. Entries
             # an earlier process quarantined but could not write count as well.
-            held: list[tuple[list[int], int, str]] = []
-            if comm.rank == 0:
-                loaded = ledger.load()
-                held = held_back(read_journal(self.run_dir), loaded)
-                loaded |= {i for ids, _, _ in held for i in ids}
-            in_ledger = comm.broadcast_object(loaded if comm.rank == 0 else None)
+            in_ledger, held = load_ledger(comm, ledger, self.run_dir, self._decide)
             self.cursor = DataCursor(comm, in_ledger, p.quarantine.window_steps)
             self.durable = DurableTier(
                 p, comm, self.engine, self.run_dir, self.journal, self.faults, self._event, self.shm

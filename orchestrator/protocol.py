@@ -29,9 +29,15 @@ ENV_ALLOW_GLOBALS = "ORCHESTRATOR_ALLOW_GLOBALS"  # more classes engine files ma
 
 # --- worker exit codes (README "Exit codes"); the supervisor classifies on them -------------
 EXIT_OK = 0
-EXIT_GAVE_UP = 71  # incident or data budget spent: restarting would loop, do not restart
+# A budget spent (incidents, bad data), or input a restart cannot fix (a quarantine ledger
+# that does not parse): restarting would loop, do not restart. The journal's gave_up says.
+EXIT_GAVE_UP = 71
 EXIT_UNHEALTHY = 72  # a health check failed on this rank: restart elsewhere / evict the node
 EXIT_PREEMPTED = 73  # stopped on request after a durable snapshot: requeue
+# Stopped on request with NO durable snapshot written (a full or failing store, a write past
+# supervisor.grace_s), or signalled and the workers did not stop as preempted: 128+SIGTERM.
+# Requeue at will; it resumes from an older snapshot (the preempted event says how old).
+EXIT_STOPPED = 143
 # Supervisor only (``orchestrator launch``):
 EXIT_CRASH_LOOP = 74  # attempts in a row made no progress: a bug or a broken node, not luck
 EXIT_RESTARTS_EXHAUSTED = 75  # supervisor.max_restarts spent
