@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from launch.hangs import culprit_words
 from orchestrator.goodput import KINDS, Ledger, ledger
 from orchestrator.journal import load_journal, per_attempt, quarantine_share, read_metrics
 
@@ -73,7 +74,7 @@ def hang_evidence(d: dict[str, Any]) -> str:
     """Who stalled, and the culprits the stacks name (rank, host, frame), for a person."""
     said = f"ranks {sorted(d.get('stalled_ranks') or {})} stalled"
     for c in d.get("culprits") or []:
-        said += f"; culprit rank {c['rank']} on {c['host']} at {c['frame']}"
+        said += f"; culprit {culprit_words(c)}"
     return said
 
 

@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from launch.hangs import culprit_words
 from launch.nodes import supervisors
 from orchestrator.goodput import ledger
 from orchestrator.heartbeat import progress_time, read_heartbeats
@@ -114,7 +115,7 @@ def _brief(details: dict[str, Any]) -> str:
     keep = ("reason", "cause", "returncode", "origin_ranks", "stalled_ranks", "suspects", "why")
     said = " ".join(f"{k}={details[k]}" for k in keep if k in details)
     for c in details.get("culprits") or []:  # a hang's, named from the ranks' stacks
-        said += f" culprit=rank {c['rank']}@{c['host']} ({c['frame']})"
+        said += f" culprit: {culprit_words(c)}"
     return said
 
 

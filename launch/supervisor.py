@@ -31,7 +31,7 @@ from tenacity import wait_exponential_jitter
 
 from launch.alerts import Alerter
 from launch.exporter import Exporter
-from launch.hangs import collect
+from launch.hangs import collect, culprit_words
 from launch.janitor import Janitor
 from launch.lock import lock_path
 from launch.nodes import Ended, Peers, launcher_nodes
@@ -51,7 +51,8 @@ from launch.outcomes import (
     next_attempt_number,
     preemption,
 )
-from launch.procs import Handles, descendants, describe, die_with_parent, tee
+from launch.procs import Handles, descendants, describe, die_with_parent, proc_state, tee
+from launch.progress import Stalls
 from launch.replica import Replicator
 from orchestrator.heartbeat import progress_time, read_heartbeats, suspects
 from orchestrator.journal import Journal
@@ -82,6 +83,7 @@ from orchestrator.protocol import (
     EXIT_UNHEALTHY,
     POLICY_NAME,
     SUPERVISOR_RANK,
+    clock_id,
     node_name,
     shm_root,
 )
@@ -90,6 +92,10 @@ from orchestrator.stacks import STACK_SIGNAL
 
 logger = logging.getLogger(__name__)
 HANG_GRACE_S = 5.0  # after SIGTERM, what a hung attempt gets before SIGKILL
+# Longer than this between two looks at the heartbeats, the supervisor itself did not run
+# (a paused VM, a stopped process): hang ages restart (launch/progress.py). Bounded by half
+# the hang timeout, and never under what a slow look can take.
+PAUSE_S, MIN_PAUSE_S = 30.0, 5.0
 # How long the exit code of a preemption waits for the preempted event that says whether
 # its durable snapshot was written (the rank that commits may be on another node).
 PREEMPTED_WAIT_S = 10.0
@@ -461,7 +467,7 @@ class Supervisor:
             ENV_SUPERVISOR_PID: str(os.getpid()),
             ENV_SHM_DIR: self.shm_dir,
         }
-        started = time.time()
+        started = time.monotonic()
         self._max_step = None
         self._lost = self._ended = None
         with self._open_log(attempt) as log:
@@ -488,7 +494,7 @@ class Supervisor:
                 return Attempt(attempt, 127, CRASH, None, 0.0)
             if self._signals:  # a signal came while we were starting it
                 self._kill(signal.SIGTERM)
-                self._term_sent_at = time.time()
+                self._term_sent_at = time.monotonic()
             # Its end of output wakes the watch below at once, not at its next poll: the
             # next attempt starts that much sooner.
             copier = threading.Thread(
@@ -499,10 +505,10 @@ class Supervisor:
             rc = proc.wait()
             self._sweep()
             ended = time.time()  # before the reading below: the ledger's end of the attempt
+            runtime = time.monotonic() - started
             copier.join(timeout=5)
         self._proc = None
         self._term_sent_at = None
-        runtime = ended - started
         journaled = last_journaled_step(self.run_dir, attempt)
         best = max((s for s in (self._max_step, journaled) if s is not None), default=None)
         if stalled is not None:
@@ -522,7 +528,10 @@ class Supervisor:
     def _watch(
         self, proc: subprocess.Popen[bytes], attempt: int, started: float
     ) -> dict[int, int] | None:
-        """Poll until the child exits; on a hang, stop it and return the stalled ranks."""
+        """Poll until the child exits; on a hang, stop it and return the stalled ranks.
+        ``started``: when the attempt started, on the monotonic clock."""
+        pause_s = max(MIN_PAUSE_S, min(PAUSE_S, self.sup.hang_timeout_s / 2))
+        stalls = Stalls(clock_id(), pause_s)
         while True:
             self._wake.clear()  # before the poll: a wake after it ends the wait below at once
             if proc.poll() is not None:
@@ -531,7 +540,7 @@ class Supervisor:
             self._seen.add(descendants(proc.pid))  # torchrun puts workers in new sessions
             if (
                 self._term_sent_at is not None
-                and time.time() - self._term_sent_at > self.sup.grace_s
+                and time.monotonic() - self._term_sent_at > self.sup.grace_s
             ):
                 self._kill(signal.SIGKILL)
             beats = self._beats(attempt)  # one read: the hang event describes what it found
@@ -542,15 +551,16 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     self._kill(signal.SIGKILL)
                 return None
-            stalled = self._stalled(beats, started)
+            stalled = self._stalled(beats, started, stalls)
             if stalled is not None:
                 behind = suspects(beats)
                 every_rank = [  # every node's, for the culprit: the one outside the collective
                     b for b in read_heartbeats(self.run_dir) if b.get("attempt") == attempt
                 ]
-                stacks, named = collect(
-                    self.run_dir, attempt, self.node, beats, self._ask_stacks, every_rank
-                )
+                stacks, named, states = collect(
+                    self.run_dir, attempt, self.node, beats, self._ask_stacks, every_rank,
+                    state=self._state,
+                )  # fmt: skip
                 hang_event = self.journal.write(
                     EVENT_HANG,
                     max(stalled.values(), default=-1),
@@ -559,8 +569,10 @@ class Supervisor:
                         # Where each rank stood; the ones behind the rest are the suspects.
                         "phases": {int(b["rank"]): b.get("phase") for b in beats},
                         "suspects": behind,
-                        # From the stacks: the ranks not inside the collective others wait in.
+                        # From the stacks: the ranks not inside the collective others wait in,
+                        # and those that could not answer (frozen: their /proc state).
                         "culprits": named,
+                        "states": states,  # this node's ranks' /proc states
                         "stacks": stacks,
                         "hang_timeout_s": self.sup.hang_timeout_s,
                         "host": self.host,
@@ -572,11 +584,7 @@ class Supervisor:
                     f"ranks {sorted(stalled)} made no progress for "
                     f"{self.sup.hang_timeout_s:.0f} s (last steps {stalled}"
                     + (f"; ranks {behind} are behind the others, suspect them)" if behind else ")")
-                    + "".join(
-                        f"; rank {c['rank']} on {c['host']} is outside the collective, "
-                        f"at {c['frame']}"
-                        for c in named
-                    )
+                    + "".join(f"; {culprit_words(c)}" for c in named)
                     if stalled
                     else f"no rank wrote a heartbeat within {self.sup.start_timeout_s} s"
                 )
@@ -634,21 +642,33 @@ class Supervisor:
         times = [progress_time(b) for b in self._beats(attempt) if b.get("phase") != "done"]
         return max(times) if times else None
 
-    def _stalled(self, beats: list[dict[str, Any]], started: float) -> dict[int, int] | None:
+    def _stalled(
+        self, beats: list[dict[str, Any]], started: float, stalls: Stalls
+    ) -> dict[int, int] | None:
         """The ranks (and their last steps) with no progress for hang_timeout_s; {} when
-        none wrote a beat within start_timeout_s; None when nothing is late."""
-        now = time.time()
+        none wrote a beat within start_timeout_s; None when nothing is late. On this host's
+        monotonic clock (``started`` too), never the wall clock (launch/progress.py)."""
+        now = time.monotonic()
+        if stalls.look(now):
+            self._say(
+                f"the supervisor did not run for {stalls.paused_s:.0f} s (a paused VM or "
+                "process?): hang ages count from now"
+            )
         if not beats:
             limit = self.sup.start_timeout_s
-            if limit is not None and now - started > limit:
+            if limit is not None and stalls.elapsed(started, now) > limit:
                 return {}  # nothing started: a hang before the first step
             return None
         late = {
             int(b["rank"]): int(b["step"])
             for b in beats
-            if now - progress_time(b) > self.sup.hang_timeout_s and b.get("phase") != "done"
+            if b.get("phase") != "done" and stalls.age(b, now) > self.sup.hang_timeout_s
         }
         return late or None
+
+    def _state(self, pid: int) -> str | None:
+        """The /proc state of a worker this attempt holds (never a recycled pid's)."""
+        return proc_state(pid) if self._seen.holds(pid) else None
 
     # --- signals and helpers ----------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -664,7 +684,7 @@ class Supervisor:
             # Forward: the Guard turns it into a collective stop with a durable snapshot.
             self._kill(signal.SIGTERM)
             if self._term_sent_at is None:
-                self._term_sent_at = time.time()
+                self._term_sent_at = time.monotonic()
         else:
             self._kill(signal.SIGKILL)
 
