@@ -6,6 +6,7 @@ exited with, from the journal events the workers wrote for that attempt.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from orchestrator.protocol import (
     EXIT_UNHEALTHY,
 )
 from orchestrator.rundir import write_atomic
+
+logger = logging.getLogger(__name__)
 
 OK, GAVE_UP, UNHEALTHY, PREEMPTED, CRASH, HANG = (
     "ok",
@@ -129,7 +132,10 @@ def exclude_hosts(run_dir: str) -> list[str]:
     for e in read_journal(run_dir):
         if e.get("kind") == EVENT_UNHEALTHY:
             hosts.update(str(h) for h in e["details"].get("hosts", []))
-    write_atomic(path, "".join(f"{h}\n" for h in sorted(hosts)))
+    try:
+        write_atomic(path, "".join(f"{h}\n" for h in sorted(hosts)))
+    except OSError as err:  # a full disk: the exit code still says unhealthy
+        logger.error("%s cannot be written (%s): exclude %s by hand", path, err, sorted(hosts))
     return sorted(hosts)
 
 
