@@ -10,6 +10,7 @@ nodes' files by time (``read_journal``).
 
 from __future__ import annotations
 
+import collections
 import errno
 import glob
 import json
@@ -25,15 +26,15 @@ from orchestrator.protocol import JOURNAL_DIR, JOURNAL_NAME, METRICS_NAME, node_
 
 logger = logging.getLogger(__name__)
 # Events kept in memory while the journal cannot be written (a full disk), written when it
-# can be again; past this many the oldest are dropped (and counted).
-MAX_PENDING = 10_000
+# can be again; past this many bytes the oldest are dropped (and counted).
+MAX_PENDING_BYTES = 16 << 20
 EVENT_JOURNAL_FAILED = "journal_failed"  # written once writes work again: what was late
 
 
 class Journal:
     """Appends events to this node's journal file. A write that fails (a full disk, an I/O
     error, a read-only file system) never raises: it cannot be journaled, so it is said
-    once on stderr, the events wait in memory (up to ``MAX_PENDING``) and are written,
+    once on stderr, the events wait in memory (up to ``MAX_PENDING_BYTES``) and are written,
     with their own times, as soon as the file takes writes again; then a
     ``journal_failed`` event says how long it failed and how many events were lost."""
 
@@ -44,7 +45,8 @@ class Journal:
         self._fd = -1
         self._closed = False
         self._lock = threading.Lock()  # the persist thread writes too
-        self._pending: list[bytes] = []
+        self._pending: collections.deque[bytes] = collections.deque()
+        self._pending_bytes = 0
         self._dropped = 0
         self._failed: tuple[float, int, str] | None = None  # since (time, step), the error
         self._torn = False  # a short write left part of a line: start the next on its own
@@ -63,7 +65,7 @@ class Journal:
         line = (json.dumps(event, default=str) + "\n").encode()
         with self._lock:
             if not self._closed:  # after close (a writer thread that outlived it): dropped
-                self._pending.append(line)
+                self._queue(line)
                 self._drain(_int(step))
         return event
 
@@ -111,7 +113,7 @@ class Journal:
                 self._failing(OSError(errno.ENOSPC, "No space left on device (short write)"), step)
                 return
             self._torn = False
-            self._pending.pop(0)
+            self._pending_bytes -= len(self._pending.popleft())
             if not self._pending and self._failed is not None:  # writes work again
                 since, since_step, error = self._failed
                 self._failed = None
@@ -120,24 +122,27 @@ class Journal:
                            "seconds": round(time.time() - since, 3), "lost": self._dropped,
                            "path": self.path}  # fmt: skip
                 self._dropped = 0
-                self._pending.append(self._line(EVENT_JOURNAL_FAILED, step, details))
+                self._queue(self._line(EVENT_JOURNAL_FAILED, step, details))
+
+    def _queue(self, line: bytes) -> None:
+        self._pending.append(line)
+        self._pending_bytes += len(line)
 
     def _failing(self, err: OSError, step: int) -> None:
-        if len(self._pending) > MAX_PENDING:
-            drop = len(self._pending) - MAX_PENDING
-            del self._pending[:drop]
-            self._dropped += drop
+        while self._pending_bytes > MAX_PENDING_BYTES and len(self._pending) > 1:
+            self._pending_bytes -= len(self._pending.popleft())
+            self._dropped += 1
         if self._failed is None:
             self._failed = (time.time(), step, repr(err))
             # Cannot be journaled: said once here, on stderr, and the run goes on.
             logger.error(
                 "rank %d: the journal %s cannot be written (%s); its events wait in memory "
-                "(up to %d) and are written when it can be again; training goes on: check "
-                "the run directory's disk",
+                "(up to %d MiB) and are written when it can be again; training goes on: "
+                "check the run directory's disk",
                 self.rank,
                 self.path,
                 err,
-                MAX_PENDING,
+                MAX_PENDING_BYTES >> 20,
             )
 
     def _line(self, kind: str, step: int, details: dict[str, Any]) -> bytes:
@@ -207,7 +212,8 @@ def _is_event(e: Any) -> bool:
 
 
 def read_journal(run_dir: str) -> Iterator[dict[str, Any]]:
-    """Yield every node's events, merged by time; torn lines (crash) are skipped."""
+    """Yield every node's events, merged by time; damaged lines are skipped (see
+    :func:`load_journal`)."""
     yield from load_journal(run_dir)[0]
 
 
