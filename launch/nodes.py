@@ -110,6 +110,10 @@ class Peers:
         self._verdict: str | None = None
         self._last_read: dict[str, dict[str, Any]] = {}
         self._failed = False  # a write failed (said once)
+        # The error of the last write, None when it succeeded: a run directory this process
+        # cannot write is one the ranks' heartbeats cannot reach either (the supervisor then
+        # stops judging hangs by them).
+        self.failing: str | None = None
 
     # --- our own file --------------------------------------------------------------------------
     def start(self) -> None:
@@ -154,7 +158,9 @@ class Peers:
             self._mine["time"] = time.time()
             try:
                 write_record(self.path, json.dumps(self._mine))
+                self.failing = None
             except OSError as err:
+                self.failing = f"{self.path}: {err}"
                 if not self._failed:
                     self._failed = True
                     logger.error(

@@ -13,7 +13,8 @@ through their supervisors' files, read the same way (launch/nodes.py).
 And the supervisor itself may not have run for a while (a paused VM whose clocks all jump,
 the supervisor stopped): a gap between its looks longer than ``pause_s`` restarts every
 rank's clock from the moment it looks again, so that ranks about to beat are not killed for
-time nobody ran.
+time nobody ran. The supervisor restarts them too while the run directory refuses its own
+writes (read-only, I/O errors): the beats cannot be written then, and silence is no hang.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class Stalls:
             self._awake_since = now
         self._looked = now
         return paused
+
+    def restart(self, now: float) -> None:
+        """Count every age afresh from ``now`` (the beats could not be trusted until then)."""
+        self._awake_since = now
 
     def elapsed(self, since: float, now: float) -> float:
         """Seconds from ``since`` to ``now`` that the supervisor was awake for."""

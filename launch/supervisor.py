@@ -141,6 +141,7 @@ class Supervisor:
         self._stop_journaled = False  # stop_requested written (once the journal is open)
         self.alerter = Alerter(policy.alerts, self.run_dir, self.node)
         self.exporter: Exporter | None = None  # export.prometheus_port
+        self._blind: tuple[float, str] | None = None  # (since, why) hang judgement paused
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> int:
@@ -654,6 +655,9 @@ class Supervisor:
                 f"the supervisor did not run for {stalls.paused_s:.0f} s (a paused VM or "
                 "process?): hang ages count from now"
             )
+        if self._run_dir_refuses(now):
+            stalls.restart(now)  # silence is no hang while the beats cannot be written
+            return None
         if not beats:
             limit = self.sup.start_timeout_s
             if limit is not None and stalls.elapsed(started, now) > limit:
@@ -665,6 +669,31 @@ class Supervisor:
             if b.get("phase") != "done" and stalls.age(b, now) > self.sup.hang_timeout_s
         }
         return late or None
+
+    def _run_dir_refuses(self, now: float) -> bool:
+        """While this supervisor's own file in the run directory cannot be written (read-only,
+        I/O errors; a full disk is written in place), the ranks' heartbeats cannot be either:
+        hangs are not judged by them. Said and journaled when it starts and when it ends
+        (an event the journal cannot take waits for it, see orchestrator/journal.py)."""
+        failing = self.peers.failing
+        step = self._max_step if self._max_step is not None else -1
+        if failing is not None and self._blind is None:
+            self._blind = (now, failing)
+            self._say(
+                f"the run directory refuses writes ({failing}): hang detection is paused "
+                "(the ranks' heartbeats cannot be written either) until it takes them again"
+            )
+            self.journal.write("hang_detection_paused", step, {"error": failing, "node": self.node})
+        elif failing is None and self._blind is not None:
+            since, why = self._blind
+            self._blind = None
+            self._say("the run directory takes writes again: hang detection resumes")
+            self.journal.write(
+                "hang_detection_resumed",
+                step,
+                {"error": why, "seconds": round(now - since, 3), "node": self.node},
+            )
+        return self._blind is not None
 
     def _state(self, pid: int) -> str | None:
         """The /proc state of a worker this attempt holds (never a recycled pid's)."""

@@ -197,6 +197,46 @@ def test_a_full_run_dir_does_not_stop_training(
         assert_bitwise_equal(a, b, "final")
 
 
+def committed(store: Path) -> int:
+    """The newest committed durable snapshot's step under ``store`` (-1: none)."""
+    return max((int(p.parent.name.split("_")[1]) for p in store.glob("step_*/COMMITTED")),
+               default=-1)  # fmt: skip
+
+
+def test_a_run_dir_that_refuses_writes_pauses_hang_detection(tmp_path: Path) -> None:
+    """The heartbeats' and supervisors' folders refuse writes (chattr +i: EPERM, as a
+    read-only or failing file system refuses them; a full one is written in place) for
+    longer than hang_timeout_s while training goes on: the supervisor, which cannot write
+    its own file there either, pauses hang detection instead of killing ranks it cannot
+    hear, resumes once writes work, and journals the pause; the run ends normally."""
+    d = tmp_path / "run"
+    policy = {**SAME, "supervisor": {**FAST, "hang_timeout_s": 4.0}}
+    slower = ["--d-model", "192", "--layers", "4"]  # training outlasts the frozen window
+    proc = spawn(launch_cmd(d, policy, *torchrun("--steps", "100", *slower)))
+    frozen = []
+    try:
+        until("step 10", lambda: step_of(d) >= 10 and committed(d / "snapshots") >= 10, proc)
+        frozen = [*sorted((d / "heartbeats").iterdir()), d / "supervisors"]
+        subprocess.run(["chattr", "+i", *map(str, frozen)], check=True)
+        at, since = committed(d / "snapshots"), time.monotonic()
+        # Training goes on, unheard, for longer than the hang timeout.
+        until("training past the hang timeout, unheard",
+              lambda: time.monotonic() - since > 6.0 and committed(d / "snapshots") > at,
+              proc)  # fmt: skip
+    finally:
+        if frozen:
+            subprocess.run(["chattr", "-i", *map(str, frozen)], check=True)
+    r = wait(proc)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert not events(d, "hang") and len(events(d, "attempt_start")) == 1
+    (paused,) = events(d, "hang_detection_paused")
+    (resumed,) = events(d, "hang_detection_resumed")
+    assert "Operation not permitted" in paused["details"]["error"]
+    assert resumed["details"]["seconds"] > 6.0 and resumed["time"] > paused["time"]
+    assert {e["rank"] for e in events(d, "heartbeat_failed")} == {0, 1}
+    assert [e["details"]["steps"] for e in events(d, "run_end") if e["rank"] == 0] == [100]
+
+
 def _load(path: Path) -> Any:
     import torch
 
