@@ -6,6 +6,7 @@ The CLI is an entry point, so it (and only it) installs a log handler.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -24,7 +25,10 @@ from orchestrator.protocol import (
 )
 from orchestrator.rundir import archive_run_dir
 
-EXIT_INVALID = 2
+EXIT_INVALID = 2  # bad input only (a policy, a path, an argument)
+EXIT_FAILED = 1  # the environment failed (a disk full, read-only or failing): not the input
+# What a file system says when it, not the input, is at fault.
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG})
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -315,7 +319,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (OrchestratorError, OSError, ValueError) as err:  # what bad input raises
+    except OSError as err:
+        print(f"orchestrator {args.command}: {err}", file=sys.stderr)
+        if err.errno in ENVIRONMENT_ERRNOS:  # a full or failing disk is not bad input
+            print(
+                "the file system failed, not the input: free space or fix the disk (or use "
+                "another directory), then run the same command again",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
+        return EXIT_INVALID  # a path that is not there, not a directory, not ours
+    except (OrchestratorError, ValueError) as err:  # what bad input raises
         print(f"orchestrator {args.command}: {err}", file=sys.stderr)
         return EXIT_INVALID
 

@@ -1,15 +1,18 @@
 """Hang forensics: before a hung attempt is killed, every rank's Python stack goes into
 ``RUN_DIR/hangs/attempt-<n>/rank<r>.txt`` and the culprits are named (orchestrator/stacks.py
-says how). NCCL's flight recorder dumps found in that folder's ``nccl/`` stay with them."""
+says how), with the ranks that could not answer (a frozen process: its /proc state). NCCL's
+flight recorder dumps found in that folder's ``nccl/`` stay with them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
 from collections.abc import Callable
 from typing import Any
 
+from launch.procs import STATES
 from orchestrator.protocol import HEARTBEAT_DIR, node_path
 from orchestrator.stacks import culprits, frames
 
@@ -24,15 +27,20 @@ def collect(
     ask: Callable[[list[dict[str, Any]]], list[int]],
     every_rank: list[dict[str, Any]] | None = None,
     wait_s: float = 3.0,
-) -> tuple[str, list[dict[str, Any]]]:
+    state: Callable[[int], str | None] | None = None,
+) -> tuple[str, list[dict[str, Any]], dict[int, str | None]]:
     """Ask this ``node``'s ranks (``beats``) for their stacks (``ask`` signals them and returns
     the ranks it reached), keep the dumps under ``hangs/attempt-<n>/``, and name the
     culprits among every rank whose stack is there within ``wait_s``: the other nodes'
     supervisors, seeing the same hang, put theirs beside (``every_rank``: all nodes' beats
-    of the attempt). Returns that folder and the culprits (rank, host, innermost frame of the
-    training thread)."""
+    of the attempt). A rank of this node that gives no stack (stopped, in uninterruptible
+    sleep, gone) is a culprit too, with its /proc state (``state(pid)``), when another rank
+    answered or its state says it cannot. Returns that folder, the culprits (rank, host,
+    innermost frame of the training thread, or ``answered: false`` and the state) and this
+    node's ranks' states."""
     out = os.path.join(run_dir, HANGS_DIR, f"attempt-{attempt}")
-    os.makedirs(out, exist_ok=True)
+    with contextlib.suppress(OSError):  # a full disk: the stacks are read where they are
+        os.makedirs(out, exist_ok=True)
     asked = set(ask(beats))
     src = {
         r: os.path.join(node_path(run_dir, HEARTBEAT_DIR, node), f"rank{r}.stack") for r in asked
@@ -45,26 +53,60 @@ def collect(
             break  # every dump written and no longer growing
         sizes = now
         time.sleep(0.2)
+    texts: dict[int, str] = {}
     for rank, path in src.items():
         if _size(path):
-            shutil.copyfile(path, os.path.join(out, f"rank{rank}.txt"))
+            texts[rank] = _read(path)
+            try:
+                shutil.copyfile(path, os.path.join(out, f"rank{rank}.txt"))
+            except OSError:
+                pass  # kept in memory: the culprits are still named
     everyone = {int(b["rank"]): b for b in (every_rank or beats)}
     while time.monotonic() < deadline and not all(  # the other nodes' dumps
-        _size(os.path.join(out, f"rank{r}.txt")) for r in everyone
+        r in texts or _size(os.path.join(out, f"rank{r}.txt")) for r in everyone
     ):
         time.sleep(0.2)
     stacks: dict[int, list[str]] = {}
     for rank, b in everyone.items():
         path = os.path.join(out, f"rank{rank}.txt")
-        if _size(path):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                stacks[rank] = frames(f.read(), str(b.get("thread", "")))
+        text = texts.get(rank) or (_read(path) if _size(path) else "")
+        if text:
+            stacks[rank] = frames(text, str(b.get("thread", "")))
+    states = {int(b["rank"]): state(int(b.get("pid", -1))) if state else None for b in beats}
     named = [
         {"rank": r, "host": everyone[r].get("host"), "node": everyone[r].get("node"),
-         "phase": everyone[r].get("phase"), "frame": stacks[r][0] if stacks[r] else None}
+         "phase": everyone[r].get("phase"), "frame": stacks[r][0] if stacks[r] else None,
+         "answered": True, "state": states.get(r)}
         for r in culprits(stacks)
     ]  # fmt: skip
-    return out, named
+    # Ours that gave no stack: a stopped or stuck process cannot run its signal handler.
+    for b in beats:
+        r = int(b["rank"])
+        if r in stacks or not (stacks or states.get(r) not in ("R", "S")):
+            continue
+        named.append(
+            {"rank": r, "host": b.get("host"), "node": b.get("node"), "phase": b.get("phase"),
+             "frame": None, "answered": False, "state": states.get(r), "pid": b.get("pid")}
+        )  # fmt: skip
+    return out, sorted(named, key=lambda c: int(c["rank"])), states
+
+
+def culprit_words(c: dict[str, Any]) -> str:
+    """A culprit of a hang event, for a person."""
+    where = f"rank {c['rank']} on {c.get('host')}"
+    if c.get("answered", True):
+        return f"{where} is outside the collective, at {c.get('frame')}"
+    state = c.get("state")
+    how = f"is {STATES.get(state, state)} (/proc state {state})" if state else "is gone"
+    return f"{where} did not answer the stack request: pid {c.get('pid')} {how}"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _size(path: str) -> int:

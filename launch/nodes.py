@@ -22,6 +22,7 @@ changing (a sequence number), so clocks that disagree between hosts do not matte
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -32,9 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.protocol import SUPERVISORS_DIR, node_path
-from orchestrator.rundir import write_atomic
+from orchestrator.rundir import write_record
 
 RUNNING, EXITED = "running", "exited"
+logger = logging.getLogger(__name__)
 
 
 def launcher_nodes(cmd: Sequence[str], env: Mapping[str, str]) -> int:
@@ -107,6 +109,11 @@ class Peers:
         self._polled_at = -float("inf")
         self._verdict: str | None = None
         self._last_read: dict[str, dict[str, Any]] = {}
+        self._failed = False  # a write failed (said once)
+        # The error of the last write, None when it succeeded: a run directory this process
+        # cannot write is one the ranks' heartbeats cannot reach either (the supervisor then
+        # stops judging hangs by them).
+        self.failing: str | None = None
 
     # --- our own file --------------------------------------------------------------------------
     def start(self) -> None:
@@ -140,16 +147,28 @@ class Peers:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                self._write()
-            except OSError:
-                pass  # a full disk: the others see us stale, which is the truth
+            self._write()
 
     def _write(self) -> None:
+        """Write this node's file; a failure is said once and never raised (a full disk
+        rewrites it in place; a read-only one leaves it stale, and the other nodes see us
+        stale, which is the truth)."""
         with self._lock:
             self._mine["seq"] += 1
             self._mine["time"] = time.time()
-            write_atomic(self.path, json.dumps(self._mine))
+            try:
+                write_record(self.path, json.dumps(self._mine))
+                self.failing = None
+            except OSError as err:
+                self.failing = f"{self.path}: {err}"
+                if not self._failed:
+                    self._failed = True
+                    logger.error(
+                        "%s cannot be written (%s): the other nodes' supervisors will see "
+                        "this one stale; check the run directory's disk",
+                        self.path,
+                        err,
+                    )
 
     # --- the others ----------------------------------------------------------------------------
     def others(self) -> dict[str, dict[str, Any]]:

@@ -6,7 +6,9 @@ exited with, from the journal events the workers wrote for that attempt.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,8 @@ from orchestrator.protocol import (
     EXIT_UNHEALTHY,
 )
 from orchestrator.rundir import write_atomic
+
+logger = logging.getLogger(__name__)
 
 OK, GAVE_UP, UNHEALTHY, PREEMPTED, CRASH, HANG = (
     "ok",
@@ -80,6 +84,31 @@ def classify(run_dir: str, rc: int, attempt: int) -> str:
     return OK if finished else CRASH
 
 
+def preemption(run_dir: str, attempt: int, wait_s: float = 0.0) -> dict[str, Any] | None:
+    """The ``preempted`` event of ``attempt`` (whether its durable snapshot was written:
+    ``persisted``), waiting up to ``wait_s`` for it when only ``preempting`` is there (the
+    rank that commits may be on another node, its event in flight); None when the workers
+    never got that far (stopped while writing it)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        said = [e for e in read_journal(run_dir) if e.get("attempt") == attempt
+                and e["kind"] in (EVENT_PREEMPTED, EVENT_PREEMPTING)]  # fmt: skip
+        done = [e for e in said if e["kind"] == EVENT_PREEMPTED]
+        if done:
+            return done[-1]
+        if not said or time.monotonic() >= deadline:
+            return None
+        time.sleep(0.2)
+
+
+def gave_up_reason(run_dir: str, attempt: int) -> str:
+    """Why the workers of ``attempt`` gave up, from their ``gave_up`` event."""
+    for e in read_journal(run_dir):
+        if e.get("attempt") == attempt and e["kind"] == EVENT_GAVE_UP:
+            return str(e["details"].get("why", "a budget is spent"))
+    return "a budget is spent, or input a restart cannot fix; see gave_up in the journal"
+
+
 def last_journaled_step(run_dir: str, attempt: int) -> int | None:
     """The highest step the workers of ``attempt`` journaled (a fault, a snapshot, an
     incident): a crash's step even when the last heartbeat is an interval older."""
@@ -103,7 +132,10 @@ def exclude_hosts(run_dir: str) -> list[str]:
     for e in read_journal(run_dir):
         if e.get("kind") == EVENT_UNHEALTHY:
             hosts.update(str(h) for h in e["details"].get("hosts", []))
-    write_atomic(path, "".join(f"{h}\n" for h in sorted(hosts)))
+    try:
+        write_atomic(path, "".join(f"{h}\n" for h in sorted(hosts)))
+    except OSError as err:  # a full disk: the exit code still says unhealthy
+        logger.error("%s cannot be written (%s): exclude %s by hand", path, err, sorted(hosts))
     return sorted(hosts)
 
 

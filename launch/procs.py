@@ -63,6 +63,15 @@ class Handles:
             except (OSError, AttributeError):
                 continue  # gone already (or no pidfds here): nothing to signal later
 
+    def holds(self, pid: int) -> bool:
+        """``pid`` is a process seen under this attempt that has not exited (so its pid
+        names it, not a later process's)."""
+        fd = self._fds.get(pid)
+        if fd is None:
+            return False
+        gone, _, _ = select.select([fd], [], [], 0)
+        return not gone
+
     def send(self, sig: int, only: set[int] | None = None) -> set[int]:
         """Signal the held processes (those in ``only``); returns the pids reached."""
         reached = set()
@@ -80,6 +89,29 @@ class Handles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}
+
+
+# The states of /proc/<pid>/stat that say why a process cannot answer a signal.
+STATES = {
+    "R": "running",
+    "S": "sleeping",
+    "D": "in uninterruptible sleep (I/O, a driver)",
+    "T": "stopped (SIGSTOP)",
+    "t": "stopped by a debugger",
+    "Z": "zombie",
+    "X": "dead",
+    "I": "idle",
+}
+
+
+def proc_state(pid: int) -> str | None:
+    """The state letter of ``pid`` in /proc (R, S, D, T, t, Z, ...), None if it is gone
+    (or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def descendants(root: int) -> set[int]:

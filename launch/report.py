@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from launch.hangs import culprit_words
 from orchestrator.goodput import KINDS, Ledger, ledger
 from orchestrator.journal import load_journal, per_attempt, quarantine_share, read_metrics
 
@@ -57,7 +58,12 @@ def load(run_dir: str) -> RunRecord:
 OTHER = {
     "unhealthy": lambda d: (f"ranks {d.get('ranks')} on {d.get('hosts')}", "stopped, exit 72"),
     "gave_up": lambda d: (str(d.get("why")), "stopped, exit 71"),
-    "preempted": lambda d: (f"snapshot written: {d.get('persisted')}", "stopped, exit 73"),
+    "preempted": lambda d: (
+        f"snapshot written: {d.get('persisted')}",
+        "stopped, exit 73"
+        if d.get("persisted")
+        else f"stopped, exit 143: {d.get('steps_lost', '?')} step(s) lost",
+    ),
     "update_ratio_low": lambda d: (f"update/weight {d.get('ratio', 0):.2g}", "warning"),
     "persist_failed": lambda d: (str(d.get("error"))[:80], "training went on"),
     "hang": lambda d: (hang_evidence(d), f"attempt killed; stacks in {d.get('stacks')}"),
@@ -68,7 +74,7 @@ def hang_evidence(d: dict[str, Any]) -> str:
     """Who stalled, and the culprits the stacks name (rank, host, frame), for a person."""
     said = f"ranks {sorted(d.get('stalled_ranks') or {})} stalled"
     for c in d.get("culprits") or []:
-        said += f"; culprit rank {c['rank']} on {c['host']} at {c['frame']}"
+        said += f"; culprit {culprit_words(c)}"
     return said
 
 

@@ -7,10 +7,17 @@ import time
 from collections import Counter
 from typing import Any
 
+from launch.hangs import culprit_words
 from launch.nodes import supervisors
 from orchestrator.goodput import ledger
 from orchestrator.heartbeat import progress_time, read_heartbeats
-from orchestrator.journal import per_attempt, quarantine_share, read_journal, read_metrics
+from orchestrator.journal import (
+    load_journal,
+    per_attempt,
+    quarantine_share,
+    read_journal,
+    read_metrics,
+)
 from orchestrator.policy import load_policy
 from orchestrator.protocol import POLICY_NAME
 from orchestrator.store import DurableStore, default_url
@@ -20,7 +27,7 @@ def render(run_dir: str) -> str:
     run_dir = os.path.abspath(run_dir)
     if not os.path.isdir(run_dir):
         return f"{run_dir}: no such run directory"
-    events = list(read_journal(run_dir))
+    events, damaged = load_journal(run_dir)
     kinds = Counter(e["kind"] for e in events)
     attempt = max((int(e.get("attempt", 0)) for e in events), default=0)
     steps = [int(e["step"]) for e in events if isinstance(e.get("step"), int)]
@@ -35,6 +42,11 @@ def render(run_dir: str) -> str:
         quarantined = str(n)
     causes = Counter(e["details"].get("cause") for e in events if e["kind"] == "incident")
     lines = [f"run {run_dir}"]
+    if damaged:  # a crash or a full disk mid-write, or a line that is no event
+        lines.append(
+            f"  journal: {len(damaged)} damaged line(s) skipped ({', '.join(damaged[:3])}"
+            + (", ..." if len(damaged) > 3 else "") + ")"
+        )  # fmt: skip
     lines.append(
         f"  attempt {attempt}   newest step {max(steps, default=0)}   "
         f"restarts {len(per_attempt(events, 'restart'))}   "
@@ -103,7 +115,7 @@ def _brief(details: dict[str, Any]) -> str:
     keep = ("reason", "cause", "returncode", "origin_ranks", "stalled_ranks", "suspects", "why")
     said = " ".join(f"{k}={details[k]}" for k in keep if k in details)
     for c in details.get("culprits") or []:  # a hang's, named from the ranks' stacks
-        said += f" culprit=rank {c['rank']}@{c['host']} ({c['frame']})"
+        said += f" culprit: {culprit_words(c)}"
     return said
 
 

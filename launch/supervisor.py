@@ -14,6 +14,7 @@ events the workers wrote for that attempt (``gave_up``, ``preempted``, ``unhealt
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -21,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -29,7 +31,7 @@ from tenacity import wait_exponential_jitter
 
 from launch.alerts import Alerter
 from launch.exporter import Exporter
-from launch.hangs import collect
+from launch.hangs import collect, culprit_words
 from launch.janitor import Janitor
 from launch.lock import lock_path
 from launch.nodes import Ended, Peers, launcher_nodes
@@ -43,11 +45,14 @@ from launch.outcomes import (
     Attempt,
     classify,
     exclude_hosts,
+    gave_up_reason,
     history,
     last_journaled_step,
     next_attempt_number,
+    preemption,
 )
-from launch.procs import Handles, descendants, describe, die_with_parent, tee
+from launch.procs import Handles, descendants, describe, die_with_parent, proc_state, tee
+from launch.progress import Stalls
 from launch.replica import Replicator
 from orchestrator.heartbeat import progress_time, read_heartbeats, suspects
 from orchestrator.journal import Journal
@@ -74,9 +79,11 @@ from orchestrator.protocol import (
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_RESTARTS_EXHAUSTED,
+    EXIT_STOPPED,
     EXIT_UNHEALTHY,
     POLICY_NAME,
     SUPERVISOR_RANK,
+    clock_id,
     node_name,
     shm_root,
 )
@@ -85,6 +92,13 @@ from orchestrator.stacks import STACK_SIGNAL
 
 logger = logging.getLogger(__name__)
 HANG_GRACE_S = 5.0  # after SIGTERM, what a hung attempt gets before SIGKILL
+# Longer than this between two looks at the heartbeats, the supervisor itself did not run
+# (a paused VM, a stopped process): hang ages restart (launch/progress.py). Bounded by half
+# the hang timeout, and never under what a slow look can take.
+PAUSE_S, MIN_PAUSE_S = 30.0, 5.0
+# How long the exit code of a preemption waits for the preempted event that says whether
+# its durable snapshot was written (the rank that commits may be on another node).
+PREEMPTED_WAIT_S = 10.0
 ALERT_ON_EXIT = {  # the supervisor's exits that page someone (alerts.events)
     EXIT_GAVE_UP: "gave_up",
     EXIT_UNHEALTHY: "unhealthy",
@@ -101,8 +115,7 @@ class Supervisor:
         self.run_dir = os.path.abspath(run_dir)
         self.cmd = cmd
         os.makedirs(self.run_dir, exist_ok=True)
-        self.policy_path = os.path.join(self.run_dir, POLICY_NAME)
-        write_policy(self.policy_path, policy)
+        self.policy_path = self._write_policy(policy)
         self.host = socket.gethostname()
         self.node = node_name()  # the hostname, or $ORCHESTRATOR_NODE when simulating nodes
         self._signals = 0
@@ -128,6 +141,7 @@ class Supervisor:
         self._stop_journaled = False  # stop_requested written (once the journal is open)
         self.alerter = Alerter(policy.alerts, self.run_dir, self.node)
         self.exporter: Exporter | None = None  # export.prometheus_port
+        self._blind: tuple[float, str] | None = None  # (since, why) hang judgement paused
 
     # --- the loop -------------------------------------------------------------------------
     def run(self) -> int:
@@ -167,6 +181,9 @@ class Supervisor:
             self.alerter.wait()
             if self.exporter is not None:
                 self.exporter.close()
+            if os.path.dirname(self.policy_path) != self.run_dir:  # a temporary one
+                with contextlib.suppress(OSError):
+                    os.unlink(self.policy_path)
             for s, h in old.items():
                 signal.signal(s, h)
 
@@ -205,7 +222,7 @@ class Supervisor:
                 if self.nnodes > 1:
                     self._await_peers(attempt)
                 if self._signals:
-                    return self._stop(journal, 128 + signal.SIGTERM, "stopped on request", best)
+                    return self._stop(journal, EXIT_STOPPED, "stopped on request", best)
                 journal.write(
                     EVENT_ATTEMPT_START,
                     best,
@@ -243,18 +260,25 @@ class Supervisor:
                     return self._stop(journal, EXIT_OK, "finished", best)
                 if self._lost is not None:
                     return self._stop(journal, EXIT_NODE_LOST, f"node lost: {self._lost}", best)
+                if a.outcome == PREEMPTED:  # 73 only when its durable snapshot was written
+                    code, why = self._preempted(attempt, a.returncode)
+                    return self._stop(journal, code, why, best)
                 if self._signals:
-                    code = EXIT_PREEMPTED if a.outcome == PREEMPTED else 128 + signal.SIGTERM
-                    return self._stop(journal, code, "stopped on request (signal)", best)
+                    return self._stop(
+                        journal,
+                        EXIT_STOPPED,
+                        "stopped on request (signal); the workers did not stop as preempted, "
+                        "so no durable snapshot was written for it: a requeue resumes from the "
+                        "newest one",
+                        best,
+                    )
                 if a.outcome == GAVE_UP:
                     return self._stop(
                         journal,
                         EXIT_GAVE_UP,
-                        "the workers gave up (a budget is spent); see gave_up in the journal",
+                        f"the workers gave up: {gave_up_reason(self.run_dir, attempt)}",
                         best,
                     )
-                if a.outcome == PREEMPTED:
-                    return self._stop(journal, EXIT_PREEMPTED, "the workers were preempted", best)
                 ended = self._ended or (self.peers.ended() if self.nnodes > 1 else None)
                 if ended is not None:  # no use restarting: that node will not join
                     return self._stop(
@@ -314,7 +338,7 @@ class Supervisor:
                     f"restart {restarts} in {delay:.1f} s"
                 )
                 if self._sleep(delay):
-                    return self._stop(journal, 128 + signal.SIGTERM, "stopped on request", best)
+                    return self._stop(journal, EXIT_STOPPED, "stopped on request", best)
                 # One past ours, or the attempt the other nodes are already in (launch/nodes.py).
                 attempt = max(attempt + 1, next_attempt_number(self.run_dir, self.node))
         finally:
@@ -359,6 +383,49 @@ class Supervisor:
         state: Any = type("S", (), {"attempt_number": restart})()
         return float(wait(state)) if self.sup.backoff_s > 0 else 0.0
 
+    def _write_policy(self, policy: Policy) -> str:
+        """The resolved policy for the workers (``ORCHESTRATOR_POLICY``): in the run directory,
+        or, when it cannot be written there (a full disk), in a temporary file. Bookkeeping
+        must not stop the job; the workers need the policy, not its place."""
+        path = os.path.join(self.run_dir, POLICY_NAME)
+        try:
+            write_policy(path, policy)
+            return path
+        except OSError as err:
+            fd, tmp = tempfile.mkstemp(prefix="orchestrator-policy-", suffix=".yaml")
+            os.close(fd)
+            write_policy(tmp, policy)
+            self._say(f"{path} cannot be written ({err}); the workers read the policy from {tmp}")
+            return tmp
+
+    def _preempted(self, attempt: int, returncode: int) -> tuple[int, str]:
+        """Exit 73 only when the preemption's durable snapshot was written (a worker's own
+        73 says so too); else 143, said loudly with how many steps are lost (the
+        preempted event has them)."""
+        event = preemption(self.run_dir, attempt, PREEMPTED_WAIT_S)
+        d = event["details"] if event is not None else {}
+        if d.get("persisted") is True or (event is None and returncode == EXIT_PREEMPTED):
+            return EXIT_PREEMPTED, "the workers were preempted after a durable snapshot"
+        if event is None:
+            why = (
+                "the workers were stopped while writing the durable snapshot of their "
+                "preemption (no preempted event followed): it was not written"
+            )
+        else:
+            newest = d.get("durable_step")
+            why = (
+                f"PREEMPTED WITHOUT A DURABLE SNAPSHOT at step {event['step']} (the write to "
+                f"{d.get('url')} failed or outran supervisor.grace_s; see persist_failed in "
+                "the journal): "
+                + (
+                    f"the newest durable snapshot is step {newest}"
+                    if newest is not None
+                    else "there is no durable snapshot"
+                )
+                + f", so {d.get('steps_lost')} step(s) are lost and will be trained again"
+            )
+        return EXIT_STOPPED, f"{why}; exit {EXIT_STOPPED}, not {EXIT_PREEMPTED}"
+
     def _stop(self, journal: Journal, code: int, why: str, best: int) -> tuple[int, str]:
         self._announce()
         event = journal.write(
@@ -393,8 +460,6 @@ class Supervisor:
 
     # --- one attempt ----------------------------------------------------------------------
     def _run_attempt(self, attempt: int) -> Attempt:
-        log_dir = os.path.join(self.run_dir, ATTEMPTS_DIR, str(attempt))
-        os.makedirs(log_dir, exist_ok=True)
         env = {
             **os.environ,
             ENV_POLICY: self.policy_path,
@@ -403,10 +468,10 @@ class Supervisor:
             ENV_SUPERVISOR_PID: str(os.getpid()),
             ENV_SHM_DIR: self.shm_dir,
         }
-        started = time.time()
+        started = time.monotonic()
         self._max_step = None
         self._lost = self._ended = None
-        with open(self._log_path(attempt), "ab") as log:
+        with self._open_log(attempt) as log:
             try:
                 self._proc = proc = subprocess.Popen(
                     self.cmd,
@@ -430,7 +495,7 @@ class Supervisor:
                 return Attempt(attempt, 127, CRASH, None, 0.0)
             if self._signals:  # a signal came while we were starting it
                 self._kill(signal.SIGTERM)
-                self._term_sent_at = time.time()
+                self._term_sent_at = time.monotonic()
             # Its end of output wakes the watch below at once, not at its next poll: the
             # next attempt starts that much sooner.
             copier = threading.Thread(
@@ -441,20 +506,33 @@ class Supervisor:
             rc = proc.wait()
             self._sweep()
             ended = time.time()  # before the reading below: the ledger's end of the attempt
+            runtime = time.monotonic() - started
             copier.join(timeout=5)
         self._proc = None
         self._term_sent_at = None
-        runtime = ended - started
         journaled = last_journaled_step(self.run_dir, attempt)
         best = max((s for s in (self._max_step, journaled) if s is not None), default=None)
         if stalled is not None:
             return Attempt(attempt, rc, HANG, best, runtime, stalled, ended)
         return Attempt(attempt, rc, classify(self.run_dir, rc, attempt), best, runtime, None, ended)
 
+    def _open_log(self, attempt: int) -> Any:
+        """The attempt's output log; where it cannot be opened (a full or read-only disk),
+        the output still goes to the console."""
+        try:
+            os.makedirs(os.path.dirname(self._log_path(attempt)), exist_ok=True)
+            return open(self._log_path(attempt), "ab")
+        except OSError as err:
+            self._say(f"{self._log_path(attempt)} cannot be written ({err}): console only")
+            return open(os.devnull, "ab")
+
     def _watch(
         self, proc: subprocess.Popen[bytes], attempt: int, started: float
     ) -> dict[int, int] | None:
-        """Poll until the child exits; on a hang, stop it and return the stalled ranks."""
+        """Poll until the child exits; on a hang, stop it and return the stalled ranks.
+        ``started``: when the attempt started, on the monotonic clock."""
+        pause_s = max(MIN_PAUSE_S, min(PAUSE_S, self.sup.hang_timeout_s / 2))
+        stalls = Stalls(clock_id(), pause_s)
         while True:
             self._wake.clear()  # before the poll: a wake after it ends the wait below at once
             if proc.poll() is not None:
@@ -463,7 +541,7 @@ class Supervisor:
             self._seen.add(descendants(proc.pid))  # torchrun puts workers in new sessions
             if (
                 self._term_sent_at is not None
-                and time.time() - self._term_sent_at > self.sup.grace_s
+                and time.monotonic() - self._term_sent_at > self.sup.grace_s
             ):
                 self._kill(signal.SIGKILL)
             beats = self._beats(attempt)  # one read: the hang event describes what it found
@@ -474,15 +552,16 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     self._kill(signal.SIGKILL)
                 return None
-            stalled = self._stalled(beats, started)
+            stalled = self._stalled(beats, started, stalls)
             if stalled is not None:
                 behind = suspects(beats)
                 every_rank = [  # every node's, for the culprit: the one outside the collective
                     b for b in read_heartbeats(self.run_dir) if b.get("attempt") == attempt
                 ]
-                stacks, named = collect(
-                    self.run_dir, attempt, self.node, beats, self._ask_stacks, every_rank
-                )
+                stacks, named, states = collect(
+                    self.run_dir, attempt, self.node, beats, self._ask_stacks, every_rank,
+                    state=self._state,
+                )  # fmt: skip
                 hang_event = self.journal.write(
                     EVENT_HANG,
                     max(stalled.values(), default=-1),
@@ -491,8 +570,10 @@ class Supervisor:
                         # Where each rank stood; the ones behind the rest are the suspects.
                         "phases": {int(b["rank"]): b.get("phase") for b in beats},
                         "suspects": behind,
-                        # From the stacks: the ranks not inside the collective others wait in.
+                        # From the stacks: the ranks not inside the collective others wait in,
+                        # and those that could not answer (frozen: their /proc state).
                         "culprits": named,
+                        "states": states,  # this node's ranks' /proc states
                         "stacks": stacks,
                         "hang_timeout_s": self.sup.hang_timeout_s,
                         "host": self.host,
@@ -504,11 +585,7 @@ class Supervisor:
                     f"ranks {sorted(stalled)} made no progress for "
                     f"{self.sup.hang_timeout_s:.0f} s (last steps {stalled}"
                     + (f"; ranks {behind} are behind the others, suspect them)" if behind else ")")
-                    + "".join(
-                        f"; rank {c['rank']} on {c['host']} is outside the collective, "
-                        f"at {c['frame']}"
-                        for c in named
-                    )
+                    + "".join(f"; {culprit_words(c)}" for c in named)
                     if stalled
                     else f"no rank wrote a heartbeat within {self.sup.start_timeout_s} s"
                 )
@@ -566,21 +643,61 @@ class Supervisor:
         times = [progress_time(b) for b in self._beats(attempt) if b.get("phase") != "done"]
         return max(times) if times else None
 
-    def _stalled(self, beats: list[dict[str, Any]], started: float) -> dict[int, int] | None:
+    def _stalled(
+        self, beats: list[dict[str, Any]], started: float, stalls: Stalls
+    ) -> dict[int, int] | None:
         """The ranks (and their last steps) with no progress for hang_timeout_s; {} when
-        none wrote a beat within start_timeout_s; None when nothing is late."""
-        now = time.time()
+        none wrote a beat within start_timeout_s; None when nothing is late. On this host's
+        monotonic clock (``started`` too), never the wall clock (launch/progress.py)."""
+        now = time.monotonic()
+        if stalls.look(now):
+            self._say(
+                f"the supervisor did not run for {stalls.paused_s:.0f} s (a paused VM or "
+                "process?): hang ages count from now"
+            )
+        if self._run_dir_refuses(now):
+            stalls.restart(now)  # silence is no hang while the beats cannot be written
+            return None
         if not beats:
             limit = self.sup.start_timeout_s
-            if limit is not None and now - started > limit:
+            if limit is not None and stalls.elapsed(started, now) > limit:
                 return {}  # nothing started: a hang before the first step
             return None
         late = {
             int(b["rank"]): int(b["step"])
             for b in beats
-            if now - progress_time(b) > self.sup.hang_timeout_s and b.get("phase") != "done"
+            if b.get("phase") != "done" and stalls.age(b, now) > self.sup.hang_timeout_s
         }
         return late or None
+
+    def _run_dir_refuses(self, now: float) -> bool:
+        """While this supervisor's own file in the run directory cannot be written (read-only,
+        I/O errors; a full disk is written in place), the ranks' heartbeats cannot be either:
+        hangs are not judged by them. Said and journaled when it starts and when it ends
+        (an event the journal cannot take waits for it, see orchestrator/journal.py)."""
+        failing = self.peers.failing
+        step = self._max_step if self._max_step is not None else -1
+        if failing is not None and self._blind is None:
+            self._blind = (now, failing)
+            self._say(
+                f"the run directory refuses writes ({failing}): hang detection is paused "
+                "(the ranks' heartbeats cannot be written either) until it takes them again"
+            )
+            self.journal.write("hang_detection_paused", step, {"error": failing, "node": self.node})
+        elif failing is None and self._blind is not None:
+            since, why = self._blind
+            self._blind = None
+            self._say("the run directory takes writes again: hang detection resumes")
+            self.journal.write(
+                "hang_detection_resumed",
+                step,
+                {"error": why, "seconds": round(now - since, 3), "node": self.node},
+            )
+        return self._blind is not None
+
+    def _state(self, pid: int) -> str | None:
+        """The /proc state of a worker this attempt holds (never a recycled pid's)."""
+        return proc_state(pid) if self._seen.holds(pid) else None
 
     # --- signals and helpers ----------------------------------------------------------------
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -596,7 +713,7 @@ class Supervisor:
             # Forward: the Guard turns it into a collective stop with a durable snapshot.
             self._kill(signal.SIGTERM)
             if self._term_sent_at is None:
-                self._term_sent_at = time.time()
+                self._term_sent_at = time.monotonic()
         else:
             self._kill(signal.SIGKILL)
 

@@ -21,6 +21,7 @@ from orchestrator.protocol import (
     EXIT_OK,
     EXIT_PREEMPTED,
     EXIT_RESTARTS_EXHAUSTED,
+    EXIT_STOPPED,
     EXIT_UNHEALTHY,
 )
 
@@ -33,12 +34,16 @@ __all__ = [
     "EXIT_OK",
     "EXIT_PREEMPTED",
     "EXIT_RESTARTS_EXHAUSTED",
+    "EXIT_STOPPED",
     "EXIT_UNHEALTHY",
     "GaveUp",
+    "LedgerError",
+    "LedgerUnreadable",
     "OrchestratorError",
     "PersistError",
     "PolicyError",
     "Preempted",
+    "PreemptedUnsaved",
     "RunStop",
     "Unhealthy",
     "UsageError",
@@ -61,6 +66,14 @@ class UsageError(OrchestratorError):
     """The Guard API was called out of order (e.g. ``step`` before ``backward``)."""
 
 
+class LedgerError(OrchestratorError):
+    """A line of the quarantine ledger is not an entry (``url``, ``line``: where)."""
+
+    def __init__(self, message: str, url: str, line: int) -> None:
+        super().__init__(message)
+        self.url, self.line = url, line
+
+
 class RunStop(SystemExit):
     """Terminal: the run stops with a protocol exit code. Catch it only to clean up."""
 
@@ -80,10 +93,23 @@ class Preempted(RunStop):
     exit_code = EXIT_PREEMPTED
 
 
+class PreemptedUnsaved(Preempted):
+    """Stopped on SIGTERM/SIGINT at a step boundary, but the durable snapshot could not be
+    written (the ``preempted`` event says how many steps are lost): exit 143, never 73."""
+
+    exit_code = EXIT_STOPPED
+
+
 class GaveUp(RunStop):
     """More incidents than ``escalation.max_incidents`` within ``escalation.window_steps``."""
 
     exit_code = EXIT_GAVE_UP
+
+
+class LedgerUnreadable(GaveUp):
+    """The quarantine ledger does not parse: a restart cannot fix it, so the run stops with
+    the gave-up code (the supervisor does not restart) and the journal's ``gave_up`` event
+    names the file and line."""
 
 
 class Unhealthy(RunStop):

@@ -36,10 +36,7 @@ from orchestrator.crashes import (
     IN_GUARD,
     CrashProbe,
     StepMarker,
-    Suspicion,
     collective_failure,
-    read_marks,
-    suspicion,
 )
 from orchestrator.cursor import DataCursor
 from orchestrator.durable import DurableTier
@@ -56,13 +53,14 @@ from orchestrator.lifecycle import (
     Lifecycle,
     agree_attempt,
     check_memory,
+    load_ledger,
     open_shm,
     resolve_run_dir,
 )
 from orchestrator.metrics import Metrics
 from orchestrator.policy import Policy, load_policy
 from orchestrator.protocol import ENV_SHM_DIR, LEDGER_NAME
-from orchestrator.quarantine import Ledger, held_back
+from orchestrator.quarantine import Ledger
 from orchestrator.recovery import Recovery
 from orchestrator.snapshot import SnapshotRing
 from orchestrator.tuning import Measured, Tuner, resolve_auto, ring_min_steps
@@ -153,17 +151,11 @@ class Guard:
             ledger = Ledger(p.quarantine.ledger_url or os.path.join(self.run_dir, LEDGER_NAME))
             # Rank 0 reads, every rank gets the same set: shards must never overlap. Entries
             # an earlier process quarantined but could not write count as well.
-            # The previous attempt's death in a loop body, if it died there (crashes.py):
-            # read before any rank's marker of this attempt replaces it.
-            held: list[tuple[list[int], int, str]] = []
-            said: tuple[set[int], Suspicion | None] | None = None
-            if comm.rank == 0:
-                loaded = ledger.load()
-                events = list(read_journal(self.run_dir))
-                held = held_back(events, loaded)
-                loaded |= {i for ids, _, _ in held for i in ids}
-                said = (loaded, suspicion(read_marks(self.run_dir), self.attempt, events))
-            in_ledger, self._suspect = comm.broadcast_object(said)
+            # The previous attempt's death in a loop body, if it died there (crashes.py),
+            # is read with the ledger: before any rank's marker of this attempt replaces it.
+            in_ledger, held, self._suspect = load_ledger(
+                comm, ledger, self.run_dir, self._decide, self.attempt
+            )
             crashed = self._suspect.culprits if self._suspect is not None else []
             in_ledger |= set(crashed)  # quarantined from the start: the replay skips them
             self.marker = StepMarker(self.run_dir, comm.global_rank, self.attempt)
@@ -198,8 +190,12 @@ class Guard:
             self._checked: Checked | None = None  # the last step's check, as every rank saw it
             check_memory(p, comm, self.engine, self.shm.root if self.shm else None)
             self.metrics = Metrics(
-                p.metrics, self.run_dir, self.attempt, comm.rank == 0, p.export.tensorboard_dir
-            )
+                p.metrics, self.run_dir, self.attempt, comm.rank == 0, p.export.tensorboard_dir,
+                on_error=lambda err: self.journal.write(
+                    "write_failed", self.global_step,
+                    {"file": "metrics", "path": self.metrics.path, "error": repr(err)},
+                ),
+            )  # fmt: skip
             self.faults.install_module_faults(
                 self.engine.core, lambda: self.global_step, lambda: self.investigation.incident_step
             )

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 import statistics
@@ -37,8 +38,10 @@ from orchestrator.comm import Comm
 from orchestrator.faults import FaultInjector
 from orchestrator.policy import Policy
 from orchestrator.policy_sections import HealthPolicy
+from orchestrator.rundir import write_atomic
 
 BASELINE = "health_baseline.json"
+logger = logging.getLogger(__name__)
 _PATTERN = 4099  # elements per rank in the correctness checks (odd: no alignment luck)
 
 
@@ -293,12 +296,17 @@ class HealthChecker:
         path = os.path.join(self.run_dir, BASELINE)
         value = None
         if self.comm.rank == 0:
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as f:
-                    value = float(json.load(f)["gbps"])
-            elif self.policy.preflight:
-                with open(path, "w", encoding="utf-8") as f:
-                    json.dump({"gbps": gbps, "time": time.time()}, f)
+            # Bookkeeping: a baseline that cannot be read or written (a full disk, a damaged
+            # file) is said and the check goes on without it, never leaving the other ranks
+            # in the broadcast below.
+            try:
+                if os.path.exists(path):
+                    with open(path, encoding="utf-8") as f:
+                        value = float(json.load(f)["gbps"])
+                elif self.policy.preflight:
+                    write_atomic(path, json.dumps({"gbps": gbps, "time": time.time()}))
+            except (OSError, ValueError, KeyError, TypeError) as err:
+                logger.error("rank 0: bandwidth baseline %s: %r; checked without it", path, err)
         if self.group is not None and not self._broken:
             box = [value]
             dist.broadcast_object_list(

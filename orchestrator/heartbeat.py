@@ -7,12 +7,19 @@ and one attribute write. A writer thread, started at the first beat, writes that
 ``rank<r>.json`` every ``interval_s``; phase changes that matter (closing, done) are written
 at once. The file is replaced atomically, so a reader never sees half a beat.
 
-A beat carries two times. ``progress_time`` says when the training thread last moved:
-the supervisor judges hangs by it, exactly, whatever the writer's phase. ``time`` says when
-the file was written: a process that stopped writing altogether (frozen, GIL held) is late
-by both. ``phase`` says where in the step the rank stopped: when one rank hangs the others
-soon block in a collective further on (DDP's all-reduce in backward, the Guard's check),
-so the ranks furthest behind are the suspects (``suspects``).
+A beat carries two times, each on two clocks. ``progress_mono`` says when the training
+thread last moved, on the host's monotonic clock (``clock`` names it): the supervisor of
+the node, on the same clock, judges hangs by it, exactly, whatever the writer's phase, and
+a wall-clock step (NTP, a VM's clock set after a pause) changes nothing. ``progress_time``
+is the same moment on the wall clock, for people and the goodput ledger. ``time`` and
+``mono`` say when the file was written: a process that stopped writing altogether (frozen,
+GIL held) is late by both. ``phase`` says where in the step the rank stopped: when one rank
+hangs the others soon block in a collective further on (DDP's all-reduce in backward, the
+Guard's check), so the ranks furthest behind are the suspects (``suspects``).
+
+Writing is bookkeeping and never stops training: a full disk does not silence the beats
+(the file is rewritten in place, :func:`orchestrator.rundir.write_record`); a write that
+fails anyway is said once (``on_error``: the Guard journals ``heartbeat_failed``).
 """
 
 from __future__ import annotations
@@ -24,10 +31,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any
 
-from orchestrator.protocol import ENV_SUPERVISOR_PID, HEARTBEAT_DIR, node_name, node_path
-from orchestrator.rundir import write_atomic
+from orchestrator.protocol import (
+    ENV_SUPERVISOR_PID,
+    HEARTBEAT_DIR,
+    clock_id,
+    node_name,
+    node_path,
+)
+from orchestrator.rundir import write_record
 from orchestrator.stacks import arm, disarm, main_thread_id
 
 # Where a rank is in its step, in order. A rank blocked in a collective waits for the ranks
@@ -60,25 +73,34 @@ class Heartbeat:
             "host": socket.gethostname(),
             "node": node_name(),  # the supervisor of this node reads this rank's beats
             "thread": main_thread_id(),  # the training thread, in its stack dumps
+            "clock": clock_id(),  # whose monotonic clock ``progress_mono`` is on
         }
+        self.interval_s = interval_s
+        self._on_error = on_error
+        self.failures = 0  # beats that could not be written
         # The supervisor asks for this rank's stacks on a hang (orchestrator/stacks.py); the
         # signal is taken only under it, so a script's own SIGUSR2 handler stays otherwise.
-        supervised = ENV_SUPERVISOR_PID in os.environ
-        self._stacks = arm(os.path.join(self.dir, f"rank{rank}.stack")) if supervised else None
-        self.interval_s = interval_s
-        # (step, phase, progress_time), replaced as one: the writer never sees half an update.
-        self.state: tuple[int, str, float] = (0, "train", time.time())
+        self._stacks: IO[str] | None = None
+        if ENV_SUPERVISOR_PID in os.environ:
+            try:
+                self._stacks = arm(os.path.join(self.dir, f"rank{rank}.stack"))
+            except OSError as err:  # a read-only run directory: no stacks on a hang
+                self._failed(err)
+        # (step, phase, monotonic time of the progress), replaced as one: the writer never
+        # sees half an update. One clock read on the training thread: the wall time of the
+        # progress is worked out when the beat is written.
+        self.state: tuple[int, str, float] = (0, "train", time.monotonic())
         self._lock = threading.Lock()  # the writer thread and forced writes share the file
         self._stop = threading.Event()
         self._writer: threading.Thread | None = None
-        self._on_error = on_error
-        self.failures = 0  # beats that could not be written
+        self._progress_wall = (-1.0, 0.0)  # (progress_mono, its wall time), see _write
 
     def beat(self, step: int, phase: str = "train", force: bool = False) -> None:
-        """Progress at ``step`` (a commit, a recovery); ``force`` writes it now."""
-        self.state = (step, phase, time.time())
+        """Progress at ``step`` (a commit, a recovery); ``force`` writes it now (a failure
+        is said, never raised)."""
+        self.state = (step, phase, time.monotonic())
         if force:
-            self._write()
+            self._try_write()
         elif self._writer is None:
             # The first beat: a first step that takes long (compilation, lazy init) is not
             # a hang, so nothing is written before it (supervisor.start_timeout_s covers it).
@@ -89,7 +111,7 @@ class Heartbeat:
 
     def enter(self, phase: str) -> None:
         """The rank moved on within its step (one of STEP_PHASES); nothing is written here."""
-        self.state = (self.state[0], phase, time.time())
+        self.state = (self.state[0], phase, time.monotonic())
 
     def close(self) -> None:
         """Stop the writer (after the final, forced, beat)."""
@@ -101,32 +123,45 @@ class Heartbeat:
 
     def _run(self) -> None:
         while True:
-            try:
-                self._write()
-            except OSError as err:  # a full or vanished disk: the supervisor will see silence
-                self.failures += 1
-                if self.failures == 1:
-                    logger.error(
-                        "rank %d: heartbeat %s cannot be written (%s); the supervisor may "
-                        "judge this rank hung: check the run directory's disk",
-                        self.base["rank"],
-                        self.path,
-                        err,
-                    )
-                    if self._on_error is not None:
-                        try:
-                            self._on_error(err)
-                        except Exception:  # the journal may sit on the same full disk
-                            pass
+            self._try_write()
             if self._stop.wait(self.interval_s):
                 return
 
+    def _try_write(self) -> None:
+        try:
+            self._write()
+        except OSError as err:  # read-only or failing: the supervisor will see silence
+            self._failed(err)
+
+    def _failed(self, err: OSError) -> None:
+        self.failures += 1
+        if self.failures > 1:
+            return
+        logger.error(
+            "rank %d: heartbeat %s cannot be written (%s); the supervisor may judge this "
+            "rank hung: check the run directory's disk",
+            self.base["rank"],
+            self.path,
+            err,
+        )
+        if self._on_error is not None:
+            try:
+                self._on_error(err)
+            except Exception:  # the journal may sit on the same disk: it says so itself
+                pass
+
     def _write(self) -> None:
         step, phase, progress = self.state
-        beat = {**self.base, "step": step, "phase": phase, "progress_time": progress}
-        beat["time"] = time.time()
+        mono, wall = time.monotonic(), time.time()
         with self._lock:
-            write_atomic(self.path, json.dumps(beat))
+            # The progress on the wall clock, worked out once per progress (a reader that
+            # compares beats sees it change only when the rank moved).
+            if self._progress_wall[0] != progress:
+                self._progress_wall = (progress, wall - (mono - progress))
+            beat = {**self.base, "step": step, "phase": phase, "progress_mono": progress,
+                    "progress_time": self._progress_wall[1], "mono": mono,
+                    "time": wall}  # fmt: skip
+            write_record(self.path, json.dumps(beat))
 
 
 def progress_time(beat: dict[str, Any]) -> float:

@@ -10,8 +10,12 @@ nodes' files by time (``read_journal``).
 
 from __future__ import annotations
 
+import collections
+import errno
 import glob
 import json
+import logging
+import math
 import os
 import threading
 import time
@@ -20,36 +24,139 @@ from typing import Any
 
 from orchestrator.protocol import JOURNAL_DIR, JOURNAL_NAME, METRICS_NAME, node_name, node_path
 
+logger = logging.getLogger(__name__)
+# Events kept in memory while the journal cannot be written (a full disk), written when it
+# can be again; past this many bytes the oldest are dropped (and counted).
+MAX_PENDING_BYTES = 16 << 20
+EVENT_JOURNAL_FAILED = "journal_failed"  # written once writes work again: what was late
+
 
 class Journal:
+    """Appends events to this node's journal file. A write that fails (a full disk, an I/O
+    error, a read-only file system) never raises: it cannot be journaled, so it is said
+    once on stderr, the events wait in memory (up to ``MAX_PENDING_BYTES``) and are written,
+    with their own times, as soon as the file takes writes again; then a
+    ``journal_failed`` event says how long it failed and how many events were lost."""
+
     def __init__(self, run_dir: str, rank: int, attempt: int) -> None:
         self.path = node_path(run_dir, JOURNAL_DIR, node_name(), ".jsonl")
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self.rank = rank
         self.attempt = attempt
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = -1
+        self._closed = False
         self._lock = threading.Lock()  # the persist thread writes too
+        self._pending: collections.deque[bytes] = collections.deque()
+        self._pending_bytes = 0
+        self._dropped = 0
+        self._failed: tuple[float, int, str] | None = None  # since (time, step), the error
+        self._torn = False  # a short write left part of a line: start the next on its own
+        with self._lock:
+            self._open()
 
     def write(self, kind: str, step: int, details: dict[str, Any]) -> dict[str, Any]:
         event = {
             "time": time.time(),
             "kind": kind,
-            "step": step,
+            "step": _int(step),
             "rank": self.rank,
             "attempt": self.attempt,
             "details": details,
         }
         line = (json.dumps(event, default=str) + "\n").encode()
         with self._lock:
-            if self._fd >= 0:  # after close (a writer thread that outlived it): dropped
-                os.write(self._fd, line)
+            if not self._closed:  # after close (a writer thread that outlived it): dropped
+                self._queue(line)
+                self._drain(_int(step))
         return event
 
     def close(self) -> None:
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._drain(-1)
+            if self._pending or self._dropped:
+                logger.error(
+                    "rank %d: %d journal event(s) could not be written to %s and are lost",
+                    self.rank,
+                    len(self._pending) + self._dropped,
+                    self.path,
+                )
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+    def _open(self) -> bool:
+        if self._fd < 0:
+            try:
+                os.makedirs(os.path.dirname(self.path), exist_ok=True)
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as err:
+                self._failing(err, -1)
+                return False
+        return True
+
+    def _drain(self, step: int) -> None:
+        """Write the pending lines, oldest first, one ``write`` each (whole lines from the
+        processes of one host); stop at the first failure. Called with the lock held."""
+        if not self._open():
+            return
+        while self._pending:
+            data = (b"\n" if self._torn else b"") + self._pending[0]
+            try:
+                n = os.write(self._fd, data)
+            except OSError as err:
+                self._failing(err, step)
+                return
+            if n < len(data):  # the disk filled mid-line: readers skip the part written
+                self._torn = True
+                self._failing(OSError(errno.ENOSPC, "No space left on device (short write)"), step)
+                return
+            self._torn = False
+            self._pending_bytes -= len(self._pending.popleft())
+            if not self._pending and self._failed is not None:  # writes work again
+                since, since_step, error = self._failed
+                self._failed = None
+                logger.warning("rank %d: the journal %s is written again", self.rank, self.path)
+                details = {"error": error, "since": since, "since_step": since_step,
+                           "seconds": round(time.time() - since, 3), "lost": self._dropped,
+                           "path": self.path}  # fmt: skip
+                self._dropped = 0
+                self._queue(self._line(EVENT_JOURNAL_FAILED, step, details))
+
+    def _queue(self, line: bytes) -> None:
+        self._pending.append(line)
+        self._pending_bytes += len(line)
+
+    def _failing(self, err: OSError, step: int) -> None:
+        while self._pending_bytes > MAX_PENDING_BYTES and len(self._pending) > 1:
+            self._pending_bytes -= len(self._pending.popleft())
+            self._dropped += 1
+        if self._failed is None:
+            self._failed = (time.time(), step, repr(err))
+            # Cannot be journaled: said once here, on stderr, and the run goes on.
+            logger.error(
+                "rank %d: the journal %s cannot be written (%s); its events wait in memory "
+                "(up to %d MiB) and are written when it can be again; training goes on: "
+                "check the run directory's disk",
+                self.rank,
+                self.path,
+                err,
+                MAX_PENDING_BYTES >> 20,
+            )
+
+    def _line(self, kind: str, step: int, details: dict[str, Any]) -> bytes:
+        event = {"time": time.time(), "kind": kind, "step": step, "rank": self.rank,
+                 "attempt": self.attempt, "details": details}  # fmt: skip
+        return (json.dumps(event, default=str) + "\n").encode()
+
+
+def _int(step: Any) -> int:
+    """A step as an int (numpy and torch integers too); -1 when it is none."""
+    try:
+        return int(step)
+    except (TypeError, ValueError):
+        return -1
 
 
 def journal_files(run_dir: str) -> list[str]:
@@ -60,10 +167,13 @@ def journal_files(run_dir: str) -> list[str]:
 
 
 def load_journal(run_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """(every node's events merged by time, the ``file:line`` of lines that did not parse).
-    A crash mid-write leaves a torn last line; it is skipped, never fatal."""
+    """(every node's events merged by time, the ``file:line`` of lines skipped as damaged).
+    A crash or a full disk mid-write leaves a torn line, and anything else can land in a
+    file: a line that is not an event of the journal's shape (JSON, an object with a
+    ``kind``, a finite ``time``, integer ``step``/``rank``/``attempt`` and ``details`` an
+    object) is skipped, never fatal, so every reader can rely on those fields."""
     events: list[dict[str, Any]] = []
-    torn: list[str] = []
+    damaged: list[str] = []
     for path in journal_files(run_dir):
         try:
             f = open(path, encoding="utf-8", errors="replace")
@@ -74,16 +184,36 @@ def load_journal(run_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
                 if not line.strip():
                     continue
                 try:
-                    events.append(json.loads(line))
-                except json.JSONDecodeError:
-                    torn.append(f"{os.path.relpath(path, run_dir)}:{n}")
+                    event = json.loads(line)
+                except ValueError:
+                    event = None
+                if _is_event(event):
+                    events.append(event)
+                else:
+                    damaged.append(f"{os.path.relpath(path, run_dir)}:{n}")
     # Stable: events of one node with equal times keep their order in its file.
-    events.sort(key=lambda e: float(e.get("time", 0.0)))
-    return events, torn
+    events.sort(key=lambda e: float(e["time"]))
+    return events, damaged
+
+
+def _is_event(e: Any) -> bool:
+    def integer(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    return (
+        isinstance(e, dict)
+        and isinstance(e.get("kind"), str)
+        and isinstance(e.get("details"), dict)
+        and isinstance(e.get("time"), (int, float))
+        and not isinstance(e["time"], bool)
+        and math.isfinite(e["time"])
+        and all(integer(e.get(k)) for k in ("step", "rank", "attempt"))
+    )
 
 
 def read_journal(run_dir: str) -> Iterator[dict[str, Any]]:
-    """Yield every node's events, merged by time; torn lines (crash) are skipped."""
+    """Yield every node's events, merged by time; damaged lines are skipped (see
+    :func:`load_journal`)."""
     yield from load_journal(run_dir)[0]
 
 
@@ -126,14 +256,17 @@ class Decisions:
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    """Every row of RUN_DIR/metrics.jsonl (a torn last line is skipped)."""
+    """Every row of RUN_DIR/metrics.jsonl: an object with an integer ``step`` (a torn or
+    damaged line is skipped)."""
     path = os.path.join(run_dir, METRICS_NAME)
     rows = []
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
+                    row = json.loads(line)
+                except ValueError:
                     continue
+                if isinstance(row, dict) and isinstance(row.get("step"), int):
+                    rows.append(row)
     return rows

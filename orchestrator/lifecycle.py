@@ -19,14 +19,18 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 
 from orchestrator.comm import Comm
+from orchestrator.crashes import Suspicion, read_marks, suspicion
 from orchestrator.cursor import DataCursor
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine
 from orchestrator.errors import (
     GaveUp,
+    LedgerError,
+    LedgerUnreadable,
     OrchestratorError,
     PolicyError,
     Preempted,
+    PreemptedUnsaved,
     Unhealthy,
     UsageError,
 )
@@ -41,10 +45,14 @@ from orchestrator.protocol import (
     ENV_ATTEMPT,
     ENV_RUN_DIR,
     ENV_SHM_DIR,
+    EVENT_GAVE_UP,
+    EVENT_PREEMPTED,
+    EVENT_PREEMPTING,
     POLICY_NAME,
     node_name,
     shm_root,
 )
+from orchestrator.quarantine import Ledger, held_back
 from orchestrator.recovery import Recovery
 from orchestrator.rundir import archive_run_dir, write_policy
 from orchestrator.shm import ShmSlots
@@ -91,6 +99,48 @@ def agree_attempt(comm: Comm) -> int:
             "nodes' supervisors disagree; exiting so that they restart together under one"
         )
     return mine
+
+
+def load_ledger(
+    comm: Comm, ledger: Ledger, run_dir: str, decide: Decisions, attempt: int
+) -> tuple[set[int], list[tuple[list[int], int, str]], Suspicion | None]:
+    """The quarantined ids every rank trains without (rank 0 reads, every rank gets the same
+    set: shards must never overlap), the entries an earlier process quarantined but could
+    not write (rank 0's, to write now; empty elsewhere), and what the last attempt's death
+    in a loop body says (orchestrator/crashes.py; read before this attempt's markers).
+
+    Raises:
+        LedgerUnreadable: on every rank, when a line of the ledger does not parse; rank 0
+            journals ``gave_up`` first (file, line, what to do), so the supervisor stops
+            instead of restarting into the same error.
+        OrchestratorError: rank 0 could not read the ledger (its storage failed); rank 0
+            raises the storage's own error.
+    """
+    said: tuple[str, Any] | None = None
+    held: list[tuple[list[int], int, str]] = []
+    failure: BaseException | None = None
+    if comm.rank == 0:
+        try:
+            loaded = ledger.load()
+            events = list(read_journal(run_dir))
+            held = held_back(events, loaded)
+            loaded |= {i for ids, _, _ in held for i in ids}
+            said = ("ok", (loaded, suspicion(read_marks(run_dir), attempt, events)))
+        except LedgerError as err:
+            decide(EVENT_GAVE_UP, 0, why=str(err), reason="ledger_unreadable",
+                   ledger=err.url, line=err.line)  # fmt: skip
+            logger.error("STOPPING: %s", err)
+            said = ("unreadable", str(err))
+        except Exception as err:  # never leave the other ranks in the broadcast below
+            failure = err
+            said = ("failed", f"rank 0 could not read the quarantine ledger {ledger.url}: {err!r}")
+    kind, value = comm.broadcast_object(said)
+    if kind == "unreadable":
+        raise LedgerUnreadable(value)
+    if kind == "failed":
+        raise failure if failure is not None else OrchestratorError(value)
+    loaded, found = value
+    return loaded, held, found
 
 
 def open_shm(policy: Policy, comm: Comm, run_dir: str, attempt: int) -> ShmSlots | None:
@@ -309,7 +359,13 @@ class Lifecycle:
         p = self.policy
         watch_supervisor()  # under `orchestrator launch`: end with it, never outlive it
         if self.comm.rank == 0:
-            write_policy(os.path.join(self.run_dir, POLICY_NAME), p)
+            path = os.path.join(self.run_dir, POLICY_NAME)
+            try:
+                write_policy(path, p)
+            except OSError as err:  # bookkeeping: the run goes on (the policy is in memory)
+                logger.error("rank 0: %s cannot be written (%s); training goes on", path, err)
+                self.journal.write("write_failed", 0, {"file": POLICY_NAME, "path": path,
+                                                       "error": repr(err)})  # fmt: skip
         self.decide(
             "run_start",
             0,
@@ -366,16 +422,54 @@ class Lifecycle:
         journaled first: a worker killed while writing was still preempted.
 
         Raises:
-            Preempted: always.
+            Preempted: the snapshot was written (exit 73).
+            PreemptedUnsaved: it was not (exit 143): rank 0 says on the console how many
+                steps are lost, and the ``preempted`` event has them.
         """
-        self.decide("preempting", step)
+        self.decide(EVENT_PREEMPTING, step)
         written = self.keeper.persist_now(step, self.recovery.rollbacks, "preempting")
-        self.decide("preempted", step, persisted=written, url=self.durable.store.url)
+        said = None
+        if self.comm.rank == 0:  # it commits: its word is what was written
+            url = self.durable.store.url
+            newest = None if written else self._newest_durable(step)
+            lost = None if written else step - (newest if newest is not None else 0)
+            self.decide(EVENT_PREEMPTED, step, persisted=written, url=url,
+                        durable_step=step if written else newest, steps_lost=lost or 0)  # fmt: skip
+            if not written:
+                logger.error(
+                    "PREEMPTED WITHOUT A DURABLE SNAPSHOT at step %d: the write to %s failed "
+                    "or did not finish within supervisor.grace_s (see persist_failed in the "
+                    "journal). %s: %d step(s) are lost and will be trained again. Exit %d, "
+                    "not %d",
+                    step,
+                    url,
+                    f"The newest durable snapshot is step {newest}"
+                    if newest is not None
+                    else "There is no durable snapshot: a restart starts from step 0",
+                    lost,
+                    PreemptedUnsaved.exit_code,
+                    Preempted.exit_code,
+                )
+            said = written
+        # Every rank exits with rank 0's code (a rank's own part may be written while the
+        # commit failed).
+        written = bool(self.comm.broadcast_object(said))
         self.close(step, persist=False)
-        raise Preempted(
-            f"stopped on request at step {step}"
-            + (" after a durable snapshot" if written else " (no durable snapshot written)")
-        )
+        if not written:
+            raise PreemptedUnsaved(f"stopped on request at step {step}: no durable snapshot")
+        raise Preempted(f"stopped on request at step {step} after a durable snapshot")
+
+    def _newest_durable(self, step: int) -> int | None:
+        """The newest committed durable snapshot at or before ``step`` (None: none, or the
+        store cannot be listed)."""
+        try:
+            steps = [s for s in self.durable.store.committed_steps() if s <= step]
+        except Exception as err:  # a failing store is why we are here: say what we know
+            logger.warning(
+                "cannot list %s for its newest snapshot: %r", self.durable.store.url, err
+            )
+            return None
+        return max(steps, default=None)
 
     def close(
         self,

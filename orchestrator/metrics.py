@@ -7,11 +7,17 @@ step's all-reduce already gave them, LR, loss scale, step time), buffered and fl
 ||w_after - w_before|| / ||w_after|| of its parameters (its shard under FSDP and ZeRO): a
 silent bf16 stall shows as updates far below 1e-3 of the weights, and the journal says so
 (``update_ratio_low``) when it stays there.
+
+The file is bookkeeping: a write that fails (a full disk, an I/O error) never stops
+training. The rows wait in memory (up to ``MAX_PENDING_ROWS``) and are written once the
+file takes writes again; the first failure is said once (``on_error``: the Guard journals
+``write_failed``).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -23,9 +29,13 @@ from orchestrator.errors import PolicyError
 from orchestrator.policy_sections import MetricsPolicy
 from orchestrator.protocol import METRICS_NAME
 
+logger = logging.getLogger(__name__)
+MAX_PENDING_ROWS = 100_000  # rows kept while metrics.jsonl cannot be written (~20 MB)
+
 
 class Metrics:
-    """``tensorboard_dir``: the rows also go there as TensorBoard scalars (rank 0)."""
+    """``tensorboard_dir``: the rows also go there as TensorBoard scalars (rank 0).
+    ``on_error(err)`` is called once, the first time a flush fails."""
 
     def __init__(
         self,
@@ -34,6 +44,7 @@ class Metrics:
         attempt: int,
         enabled: bool,
         tensorboard_dir: str | None = None,
+        on_error: Callable[[OSError], object] | None = None,
     ) -> None:
         self.policy = policy
         self.enabled = enabled and policy.enabled
@@ -57,6 +68,10 @@ class Metrics:
         self._before: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._low = 0  # consecutive ratios below the threshold
         self._flushed = time.monotonic()
+        self._on_error = on_error
+        self.failures = 0  # flushes that failed
+        self.dropped = 0  # rows dropped past MAX_PENDING_ROWS
+        self._torn = False  # a failed append may have left part of a line
 
     # --- per step -----------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -165,13 +180,57 @@ class Metrics:
         self._last = None
 
     def flush(self) -> None:
+        """Append the buffered rows; a failure keeps them for the next flush (bounded) and
+        never raises: metrics are bookkeeping, training goes on."""
         self._flushed = time.monotonic()
-        if self._tb is not None:
-            self._tb.flush()
-        if self._lines:
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write("\n".join(self._lines) + "\n")
-            self._lines = []
+        try:
+            if self._tb is not None:
+                self._tb.flush()
+        except OSError as err:
+            self._failed(err)
+        if not self._lines:
+            return
+        # After a failed append, start on a line of our own: the part it left is skipped.
+        prefix = b"\n" if self._torn else b""
+        data = prefix + ("\n".join(self._lines) + "\n").encode()
+        done = 0
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                while done < len(data):
+                    done += os.write(fd, data[done:])
+            finally:
+                os.close(fd)
+        except OSError as err:
+            if done:  # the rows written whole stay written; the rest wait for the next flush
+                del self._lines[: data[:done].count(b"\n") - len(prefix)]
+                self._torn = not data[:done].endswith(b"\n")
+            self._failed(err)
+            return
+        self._torn = False
+        self._lines = []
+
+    def _failed(self, err: OSError) -> None:
+        self.failures += 1
+        if len(self._lines) > MAX_PENDING_ROWS:
+            drop = len(self._lines) - MAX_PENDING_ROWS
+            del self._lines[:drop]
+            self.dropped += drop
+        if self.failures > 1:
+            return
+        logger.error(
+            "rank 0: metrics %s cannot be written (%s); rows wait in memory (up to %d) and "
+            "are written when it can be again; training goes on: check the run directory's "
+            "disk",
+            self.path,
+            err,
+            MAX_PENDING_ROWS,
+        )
+        if self._on_error is not None:
+            try:
+                self._on_error(err)
+            except Exception as inner:  # journaling it may fail the same way: said there
+                logger.debug("journaling the metrics failure failed: %r", inner)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -29,9 +29,15 @@ ENV_ALLOW_GLOBALS = "ORCHESTRATOR_ALLOW_GLOBALS"  # more classes engine files ma
 
 # --- worker exit codes (README "Exit codes"); the supervisor classifies on them -------------
 EXIT_OK = 0
-EXIT_GAVE_UP = 71  # incident or data budget spent: restarting would loop, do not restart
+# A budget spent (incidents, bad data), or input a restart cannot fix (a quarantine ledger
+# that does not parse): restarting would loop, do not restart. The journal's gave_up says.
+EXIT_GAVE_UP = 71
 EXIT_UNHEALTHY = 72  # a health check failed on this rank: restart elsewhere / evict the node
 EXIT_PREEMPTED = 73  # stopped on request after a durable snapshot: requeue
+# Stopped on request with NO durable snapshot written (a full or failing store, a write past
+# supervisor.grace_s), or signalled and the workers did not stop as preempted: 128+SIGTERM.
+# Requeue at will; it resumes from an older snapshot (the preempted event says how old).
+EXIT_STOPPED = 143
 # Supervisor only (``orchestrator launch``):
 EXIT_CRASH_LOOP = 74  # attempts in a row made no progress: a bug or a broken node, not luck
 EXIT_RESTARTS_EXHAUSTED = 75  # supervisor.max_restarts spent
@@ -53,6 +59,21 @@ ARCHIVE_DIR = "archive"  # archive/<time>/: what earlier runs left, moved by lau
 # supervisors/<node>.lock: one supervisor per node (flock); supervisors/<node>.json: its
 # liveness, attempt and exit, read by the other nodes' supervisors.
 SUPERVISORS_DIR = "supervisors"
+
+
+def clock_id() -> str:
+    """Which CLOCK_MONOTONIC this process reads: the same for every process of one boot of a
+    host in one time namespace, whose ``time.monotonic()`` values therefore compare. Empty
+    when it cannot be told (not Linux)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        return ""
+    try:
+        return f"{boot}/{os.readlink('/proc/self/ns/time')}"
+    except OSError:  # kernels before time namespaces: one monotonic clock per boot
+        return boot
 
 
 def node_name() -> str:

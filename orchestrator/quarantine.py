@@ -4,6 +4,10 @@ One line per quarantined id: ``{"sample": 123, "step": 57, "reason": "...", "tim
 Rank 0 writes after every rank agreed on the ids; every rank reads it at start. The file is
 rewritten whole through a temporary name and a move, which works on object stores that
 cannot append and never leaves a half-written ledger behind.
+
+Reading is strict: a line that is not an entry (not UTF-8, not JSON, no integer sample) is
+an error naming the file and line, never skipped, since a dropped entry would train on a
+sample the run quarantined.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 import fsspec
 
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import LedgerError
 
 
 class Ledger:
@@ -23,21 +27,36 @@ class Ledger:
         self.url = url
         self.fs, self.path = fsspec.core.url_to_fs(url)
 
-    def _read_lines(self) -> list[str]:
+    def _read_lines(self) -> list[tuple[int, bytes]]:
+        """The non-blank lines with their numbers, as bytes (decoded by the reader)."""
         if not self.fs.exists(self.path):
             return []
-        with self.fs.open(self.path, "r", encoding="utf-8") as f:
-            return [ln for ln in f.read().splitlines() if ln.strip()]
+        with self.fs.open(self.path, "rb") as f:
+            data = f.read()
+        return [(n, ln) for n, ln in enumerate(data.splitlines(), start=1) if ln.strip()]
 
     def load(self) -> set[int]:
+        """Every quarantined id.
+
+        Raises:
+            LedgerError: a line is not an entry (the message names the file and line and
+                says what to do); no entry is ever skipped.
+        """
         ids: set[int] = set()
-        for n, line in enumerate(self._read_lines(), start=1):
+        for n, raw in self._read_lines():
             try:
-                ids.add(int(json.loads(line)["sample"]))
-            except (ValueError, KeyError, TypeError) as err:
-                raise OrchestratorError(
-                    f"quarantine ledger {self.url} line {n} is not a ledger entry "
-                    f'({err!r}); expected {{"sample": <int>, ...}}; fix or remove that line'
+                ids.add(int(json.loads(raw.decode("utf-8"))["sample"]))
+            except (ValueError, KeyError, TypeError) as err:  # UnicodeDecodeError included
+                what = "is not UTF-8 text" if isinstance(err, UnicodeDecodeError) else (
+                    "is not a ledger entry"
+                )  # fmt: skip
+                raise LedgerError(
+                    f"quarantine ledger {self.url} line {n} {what} ({err}): expected "
+                    f'{{"sample": <int>, ...}} per line. A restart cannot fix this: repair '
+                    f"line {n} (the journal's quarantine events list every sample the run "
+                    "quarantined) or remove it, then start the same command again",
+                    self.url,
+                    n,
                 ) from None
         return ids
 
@@ -49,13 +68,13 @@ class Ledger:
         ]
         if not new:
             return
-        lines = self._read_lines() + new
+        lines = [ln for _, ln in self._read_lines()] + [ln.encode() for ln in new]
         parent = self.path.rsplit("/", 1)[0] if "/" in self.path else ""
         if parent:
             self.fs.makedirs(parent, exist_ok=True)
         tmp = f"{self.path}.tmp"
-        with self.fs.open(tmp, "w", encoding="utf-8") as f:
-            f.write("\n".join(lines) + "\n")
+        with self.fs.open(tmp, "wb") as f:
+            f.write(b"\n".join(lines) + b"\n")
         self.fs.mv(tmp, self.path)
 
 

@@ -4,6 +4,8 @@ imports it."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import shutil
 import time
@@ -27,11 +29,57 @@ def write_atomic(path: str, text: str) -> None:
 
 
 def write_bytes(path: str, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically (see :func:`write_atomic`)."""
+    """Replace ``path`` with ``data`` atomically (see :func:`write_atomic`). A write that
+    fails (a full disk) leaves no temporary file behind to hold the space."""
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# A full file system: a new file cannot get blocks, but one that has them can be rewritten.
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+RECORD_BYTES = 2048  # a small record file's fixed size (heartbeats, supervisor files)
+
+
+def write_record(path: str, text: str, size: int = RECORD_BYTES) -> None:
+    """Replace a small record file that is read while it is written (a heartbeat, a
+    supervisor's file): atomically, padded to ``size`` bytes (JSON readers ignore the
+    trailing spaces), and on a full file system in place, into the blocks the file already
+    holds, so that a run directory that fills up does not silence it. A reader may then
+    catch a write half done: it fails to parse and is read again at the next poll.
+
+    Raises:
+        OSError: the record cannot be written at all (read-only, I/O error, or full and
+            not written before).
+    """
+    body = text.encode()
+    try:
+        write_bytes(path, _padded(body, size))
+    except OSError as err:
+        if err.errno not in NO_SPACE:
+            raise
+        try:
+            fd = os.open(path, os.O_WRONLY)
+        except OSError:
+            raise err from None  # not written before: no blocks to reuse
+        try:
+            held = os.fstat(fd).st_size
+            if len(body) >= held:
+                raise err from None  # would need blocks the file does not have
+            os.pwrite(fd, _padded(body, held), 0)
+        finally:
+            os.close(fd)
+
+
+def _padded(body: bytes, size: int) -> bytes:
+    """``body`` and spaces up to ``size`` bytes, ending in a newline (at least the newline)."""
+    return body + b" " * max(size - len(body) - 1, 0) + b"\n"
 
 
 def write_policy(path: str, policy: Policy) -> None:
