@@ -110,16 +110,31 @@ def low_precision(root: nn.Module) -> bool:
 @contextlib.contextmanager
 def full_precision(root: nn.Module) -> Iterator[None]:
     """fp32 copies of every low-precision parameter and buffer, autocast off, for one
-    forward; the originals (same tensors, same storage) are back afterwards."""
-    saved = []
-    for t in [*root.parameters(), *root.buffers()]:
-        if t.is_floating_point() and t.dtype != torch.float32:
-            saved.append((t, t.data))
-            t.data = t.data.float()
+    forward; the originals (same tensors, same storage) are back afterwards.
+
+    A parameter is replaced by an fp32 copy in its module, never changed in place: setting
+    a parameter's ``.data`` to another dtype drops its gradient accumulator, and DDP's
+    gradient hooks hang on that accumulator. After such a swap and back, DDP never again
+    all-reduced those gradients and the replicas drifted apart, silently (found by the
+    replica digest, orchestrator/replicas.py). A copy's gradients are never wanted: the
+    fp32 re-run is judged by its loss alone."""
     device = next(root.parameters()).device.type
+    swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
+    saved = []
+    for module in root.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_floating_point() and p.dtype != torch.float32:
+                module._parameters[name] = nn.Parameter(p.detach().float(), p.requires_grad)
+                swapped.append((module, name, p))
+        for t in module.buffers(recurse=False):  # no gradient accumulator to lose
+            if t.is_floating_point() and t.dtype != torch.float32:
+                saved.append((t, t.data))
+                t.data = t.data.float()
     try:
         with torch.autocast(device, enabled=False):
             yield
     finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
         for t, data in saved:
             t.data = data

@@ -62,6 +62,7 @@ from orchestrator.policy import Policy, load_policy
 from orchestrator.protocol import ENV_SHM_DIR, LEDGER_NAME
 from orchestrator.quarantine import Ledger
 from orchestrator.recovery import Recovery
+from orchestrator.rng import rng_state, set_rng_state
 from orchestrator.snapshot import SnapshotRing
 from orchestrator.tuning import Measured, Tuner, resolve_auto, ring_min_steps
 
@@ -461,6 +462,7 @@ class Guard:
         suspects = list(ids) if self.comm.global_rank in s.ranks else []
         probe = CrashProbe(suspects, ids[:1], self.comm.all_reduce_max(len(suspects)))
         self._probing = True
+        rng = rng_state()  # the probes' forwards draw (dropout): the real batch must not see it
         try:
             while probe.pending:
                 group, sample = probe.next()
@@ -472,6 +474,7 @@ class Guard:
                 self._end_batch()
         finally:
             self._probing = False
+        set_rng_state(rng)
         if suspects:
             self.journal.write(
                 "crash_probes_clean", s.step, {"micro": s.micro, "samples": suspects}

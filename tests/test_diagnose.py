@@ -78,6 +78,10 @@ def test_fp16_forensics_tells_precision_from_data(
     assert r.returncode == 0, r.stdout[-3000:]
     (diag,) = kinds(d, "diagnosis")
     assert diag["details"]["classification"] == expected
+    # The fp32 re-run leaves DDP's gradient hooks in place: the replicas never drift (it
+    # once swapped parameters' dtype in place, which dropped them: the replica digest
+    # caught the drift as divergence incidents at the next snapshot).
+    assert all(e["details"]["reason"] != "divergence" for e in kinds(d, "incident"))
     (q,) = kinds(d, "quarantine")
     assert q["details"]["samples"] == ([77] if expected == "precision" else [5])
     assert kinds(d, "run_end")[-1]["details"]["steps"] == 30
