@@ -185,5 +185,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Not sys.exit: gloo can abort a finished run in the interpreter teardown (exit_process).
+    # Exits with main()'s code; a plain return would end the run as safely (docs/loop.md).
     exit_process(main())

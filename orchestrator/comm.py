@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from datetime import timedelta
 from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 
 class Comm:
@@ -63,22 +66,96 @@ class Comm:
         return torch.device("cpu")
 
 
+# How long a gloo worker thread may wait for the peers' exit barrier (fence_gloo_at_exit).
+# Nothing waits for the barrier itself; this bounds only a join of that thread (a process
+# group destroyed while a peer is still running), never the peers' progress.
+EXIT_BARRIER_TIMEOUT_S = 10.0
+
+_KEPT_BACKENDS: dict[int, Any] = {}  # gloo backends a Guard ran on, by id (fenced at exit)
+_FENCES: list[Any] = []  # the exit barriers: alive until interpreter finalization, on purpose
+
+
+def _gloo_backend(group: dist.ProcessGroup | None) -> Any | None:
+    """``group``'s gloo backend (a ``ProcessGroupGloo``), or None (NCCL only, a debug
+    wrapper, an older torch)."""
+    if group is None or not dist.is_gloo_available():
+        return None
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError):
+        return None
+    return backend if isinstance(backend, dist.ProcessGroupGloo) else None
+
+
+def keep_for_exit(group: dist.ProcessGroup | None) -> None:
+    """Keep ``group``'s gloo backend for :func:`fence_gloo_at_exit`, which must reach it
+    even after the script destroyed the group: a DDP or FSDP module keeps the backend, and
+    its worker threads, alive anyway."""
+    backend = _gloo_backend(group)
+    if backend is not None:
+        _KEPT_BACKENDS[id(backend)] = backend
+
+
+def fence_gloo_at_exit(timeout_s: float = EXIT_BARRIER_TIMEOUT_S) -> int:
+    """Fence every gloo group still registered and every one :func:`keep_for_exit` kept, so
+    that no gloo worker thread frees the tensors of an earlier collective before interpreter
+    finalization (where they are leaked). Call it at exit, after the script's last
+    collective, on every rank (the Guard's ``atexit`` handler does). It never waits for a
+    peer.
+
+    Why: a gloo worker thread can still hold the last collectives' works when the script is
+    done. Destroying a work frees its tensors, and freeing a tensor whose Python object
+    Python has already let go of takes the GIL: torch checks ``Py_IsInitialized()``, then
+    waits for the GIL. A thread that passed the check and still waits when the main thread
+    enters interpreter finalization is ended by ``pthread_exit``, whose unwinding through a
+    ``noexcept`` destructor calls ``std::terminate``: "terminate called without an active
+    exception", SIGABRT (exit -6) after every step was done (a core showed
+    ``ProcessGroupGloo::runLoop`` -> ``~AsyncBarrierWork`` -> ``~AsyncAllreduceWork`` ->
+    ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). Destroying the process group
+    does not prevent it: that joins the worker threads only when it drops the last
+    reference to the backend, and a DDP or FSDP module holds one.
+
+    How: ``ProcessGroupGloo::barrier`` takes, under the work lock (so no worker thread is
+    half-way through freeing a work), a weak reference to every work the worker threads
+    hold or have queued; a work with a weak reference left is destroyed only when that
+    reference goes, with the barrier. Each barrier is kept here until interpreter
+    finalization, where torch's check sees the interpreter finalizing and leaks a
+    tensor's Python object instead of waiting for the GIL. Whether the peers join the
+    barrier does not matter (one that already left fails it at once); ``timeout_s`` bounds
+    only how long a worker thread stays in it.
+
+    Returns:
+        How many gloo groups were fenced.
+    """
+    backends = dict(_KEPT_BACKENDS)
+    if dist.is_available() and dist.is_initialized():
+        for group in list(dist.distributed_c10d._world.pg_map):
+            backend = _gloo_backend(group)
+            if backend is not None:
+                backends.setdefault(id(backend), backend)
+    opts = dist.BarrierOptions()
+    opts.timeout = timedelta(seconds=timeout_s)
+    fenced = 0
+    for backend in backends.values():
+        try:
+            _FENCES.append(backend.barrier(opts))
+            fenced += 1
+        except RuntimeError as err:  # a group already broken; fence the others
+            logger.warning("rank %d: no exit barrier on a gloo group: %r", backend.rank(), err)
+    return fenced
+
+
 def exit_process(code: int = 0) -> NoReturn:
     """End a distributed training script: destroy the process groups, flush, and leave
     without Python's interpreter teardown. Call it last, on every rank, once no rank has a
     collective left to run (after a ``dist.barrier()`` if in doubt).
 
-    Why not a plain return: a gloo worker thread can still hold the last collectives'
-    tensors when the main thread is done (a barrier keeps the works queued before it).
-    Freeing a tensor that Python has let go of takes the GIL, and a thread that asks for the
-    GIL during interpreter finalization is ended by ``pthread_exit``, whose unwinding hits a
-    ``noexcept`` frame: ``std::terminate``, "terminate called without an active exception",
-    SIGABRT (exit -6) after every step was done. Seen with torch 2.13 in about 1 run in 20
-    on a loaded 2-core machine (core: ``ProcessGroupGloo::runLoop`` ->
-    ``~AsyncBarrierWork`` -> ``~AsyncAllreduceWork`` -> ``TensorImpl::decref_pyobject`` ->
-    ``take_gil`` -> ``pthread_exit``). ``os._exit`` skips that finalization, and with it
-    ``atexit`` handlers: close what you opened (the Guard, loggers, trackers) before; a
-    Guard left open is closed here as at exit (``run_end`` status ``not_closed``)."""
+    A plain return ends a script that ran a Guard as safely (the Guard fences the gloo
+    groups at exit: :func:`fence_gloo_at_exit`); this is for a script that wants its exit
+    code without ``sys.exit``, or that never ran a Guard. ``os._exit`` skips interpreter
+    finalization, and with it ``atexit`` handlers: close what you opened (the Guard,
+    loggers, trackers) before; a Guard left open is closed here as at exit (``run_end``
+    status ``not_closed``)."""
     lifecycle = sys.modules.get("orchestrator.lifecycle")  # loaded if a Guard ever ran
     if lifecycle is not None:
         lifecycle.close_forgotten()

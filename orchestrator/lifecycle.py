@@ -18,7 +18,7 @@ from typing import Any, NoReturn
 
 import torch.distributed as dist
 
-from orchestrator.comm import Comm
+from orchestrator.comm import Comm, fence_gloo_at_exit, keep_for_exit
 from orchestrator.crashes import Suspicion, read_marks, suspicion
 from orchestrator.cursor import DataCursor
 from orchestrator.durable import DurableTier
@@ -288,16 +288,18 @@ def close_forgotten() -> None:
 
 def _at_exit() -> None:
     """A script that simply returns must end as well as one that calls ``exit_process``:
-    close what it left open, then destroy the process groups while the interpreter is
-    whole. Left to interpreter finalization, a gloo worker thread that still holds the
-    last collective's tensors can need the GIL when no thread may take it any more, and
-    the finished run aborts (SIGABRT; see :func:`orchestrator.comm.exit_process`)."""
+    close what it left open, fence the gloo groups so that no gloo worker thread frees a
+    tensor during interpreter finalization (that aborts a finished run, SIGABRT: see
+    :func:`orchestrator.comm.fence_gloo_at_exit`), then destroy the process groups."""
     close_forgotten()
-    if _STARTED[0] and dist.is_available() and dist.is_initialized():
-        try:
+    if not _STARTED[0]:
+        return
+    try:
+        fence_gloo_at_exit()
+        if dist.is_available() and dist.is_initialized():  # the script may have destroyed it
             dist.destroy_process_group()
-        except Exception as err:  # at exit: never mask the script's own outcome
-            logger.warning("destroying the process group at exit failed: %r", err)
+    except Exception as err:  # at exit: never mask the script's own outcome
+        logger.warning("ending the process groups at exit failed: %r", err)
 
 
 atexit.register(_at_exit)
@@ -382,6 +384,8 @@ class Lifecycle:
         self._step = step
         _OPEN.add(self)
         _STARTED[0] = True
+        if self.comm.enabled:
+            keep_for_exit(self.comm.group)
 
     def close_forgotten(self) -> None:
         """The script ended without ``guard.close()``: flush metrics, stop the writer and
