@@ -332,10 +332,13 @@ def digest(args: argparse.Namespace) -> dict[str, Any]:
         assert d is not None
         replicas.agreed(*replicas.compare_async(comm, d))  # its host read: the step's sync
 
+    loss_of(model, next(it)).backward()  # a step's gradients, for the check alone
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    opt.zero_grad(set_to_none=True)
+    zero = torch.zeros(())
+
     def check() -> None:
-        loss = torch.zeros(())
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-        comm.all_reduce_sum_(pack_local(loss, grads, True)).tolist()
+        comm.all_reduce_sum_(pack_local(zero, grads, True)).tolist()
 
     t = interleaved(
         {
