@@ -552,7 +552,11 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     self._kill(signal.SIGKILL)
                 return None
-            stalled = self._stalled(beats, started, stalls)
+            # During a graceful stop the ranks wait for the preemption's durable snapshot
+            # (rank 0 writes it, the others wait for its verdict, beating no progress):
+            # grace_s bounds that, not hang_timeout_s.
+            stopping = self._term_sent_at is not None
+            stalled = None if stopping else self._stalled(beats, started, stalls)
             if stalled is not None:
                 behind = suspects(beats)
                 every_rank = [  # every node's, for the culprit: the one outside the collective

@@ -250,6 +250,7 @@ class Guard:
             lambda: self.health.close() if self.health is not None else None,
             lambda: self.shm.close(remove=ENV_SHM_DIR not in os.environ) if self.shm else None,
             lambda: self.journal.close(),
+            lambda: self.marker.close(),
             lambda: self.engine.release(),
         ):
             try:
