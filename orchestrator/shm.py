@@ -127,6 +127,13 @@ class ShmSlots:
         self._sealing: dict[int, threading.Thread] = {}  # slot -> its verdict being written
         self._made_root = False
 
+    def _removed(self, path: str) -> PersistError:
+        return PersistError(
+            f"snapshot.shared_memory: the ring slot {path} of rank {self.rank} was removed "
+            "while it was being made (its supervisor ended, or something cleaned "
+            f"{os.path.dirname(self.root)}); this rank cannot keep snapshots there"
+        )
+
     def _mkdir(self, d: str) -> None:
         """Make slot folder ``d``; ``root`` only the first time: a root that vanished later
         was removed by the supervisor's end (orchestrator/lifeline.py), and recreating it
@@ -249,7 +256,11 @@ class ShmSlots:
         # node's ranks name their node files alike (the group's token, one count).
         mine = f"node-{self.token}-" if node else f"rank{self.rank}-"
         if old is None:
-            for name in os.listdir(d):
+            try:
+                names = os.listdir(d)
+            except FileNotFoundError as err:
+                raise self._removed(d) from err
+            for name in names:
                 if name.endswith(".bin") and (
                     name.startswith(f"rank{self.rank}-")
                     if not node
@@ -263,7 +274,10 @@ class ShmSlots:
             self._gen += 1
             path = os.path.join(d, f"{mine}{self._gen}.bin")
         # Never truncated: another rank of the node may be writing its share already.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if node else os.O_TRUNC), 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if node else os.O_TRUNC), 0o600)
+        except FileNotFoundError as err:
+            raise self._removed(path) from err
         try:
             # Reserved now: a full tmpfs would otherwise kill the training thread with
             # SIGBUS at its first write into the mapping.
@@ -278,7 +292,14 @@ class ShmSlots:
             ) from err
         finally:
             os.close(fd)
-        mapped = _mapped(path, total, shared=True)
+        try:
+            mapped = _mapped(path, total, shared=True)
+        except RuntimeError as err:
+            if os.path.exists(path):
+                raise
+            # Removed between creating and mapping it: the ring was taken away under this
+            # rank (orchestrator/lifeline.py), as _mkdir reports it.
+            raise self._removed(path) from err
         (self._node_maps if node else self._maps)[slot] = mapped
         files[slot] = path
         if old is not None:
