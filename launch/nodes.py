@@ -5,10 +5,15 @@ state and, at the end, its exit code) every ``heartbeat_interval_s``, and reads 
 nodes' files. That is all the coordination there is: the shared file system Slurm clusters
 have, no server of our own. The workers meet in torchrun's rendezvous as before.
 
-- **One attempt id**: a supervisor starts its next attempt at the highest attempt any node
-  has started, or one past its own, whichever is higher (``outcomes.next_attempt_number``),
-  so a node that comes back late joins the attempt the others wait in. The Guard checks it
-  at start (all ranks' attempt ids must match; if not they exit and the next restart agrees).
+- **One attempt id, agreed before the launcher starts**: each supervisor proposes its next
+  attempt (``outcomes.next_attempt_number``) in its file, phase ``agreeing``, and takes up
+  the highest attempt any live node proposes or runs; it starts its launcher once every
+  node is alive and at that attempt (:func:`agree`). Proposals only grow and every node
+  takes the highest, so any starting counts converge: after a lost node, a requeue of all
+  of them, a partition of any length, nodes started in any order. A node still running an
+  older attempt while another proposes a newer one ends its own (the other left it, so it
+  can never complete): nobody waits for anybody in a cycle. The Guard checks the ids at
+  start (all ranks' attempt ids must match).
 - **One end**: a node whose supervisor stops for good (gave up, unhealthy, crash loop, lost
   a node) says so in its file; the others stop with the same exit code instead of waiting
   for it in the rendezvous.
@@ -36,6 +41,9 @@ from orchestrator.protocol import SUPERVISORS_DIR, node_path
 from orchestrator.rundir import write_record
 
 RUNNING, EXITED = "running", "exited"
+# What a running supervisor is doing (its file's "phase"): waiting for the nodes to agree on
+# the next attempt, or running its launcher in it.
+AGREEING, IN_ATTEMPT = "agreeing", "in_attempt"
 logger = logging.getLogger(__name__)
 
 
@@ -93,6 +101,7 @@ class Peers:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "attempt": -1,
+            "phase": AGREEING,
             "state": RUNNING,
             "seq": 0,
         }
@@ -109,6 +118,7 @@ class Peers:
         self._polled_at = -float("inf")
         self._verdict: str | None = None
         self._last_read: dict[str, dict[str, Any]] = {}
+        self._ahead_at: tuple[float, dict[str, dict[str, Any]]] = (-float("inf"), {})
         self._failed = False  # a write failed (said once)
         # The error of the last write, None when it succeeded: a run directory this process
         # cannot write is one the ranks' heartbeats cannot reach either (the supervisor then
@@ -131,10 +141,13 @@ class Peers:
             self._mine.update(fields)
         self._write()
 
-    def at(self, attempt: int) -> None:
+    def at(self, attempt: int, phase: str) -> None:
+        """Say which attempt this node proposes (``AGREEING``) or runs (``IN_ATTEMPT``)."""
         with self._lock:
-            self._mine["attempt"] = attempt
-        self._write()
+            changed = (self._mine["attempt"], self._mine["phase"]) != (attempt, phase)
+            self._mine.update(attempt=attempt, phase=phase)
+        if changed:
+            self._write()
 
     def exited(self, code: int, reason: str) -> None:
         """Stop beating and say how this node's supervisor ended (read by the others)."""
@@ -201,15 +214,21 @@ class Peers:
         self._verdict = self._judge(now, timeout_s)
         return self._verdict
 
-    def behind(self, attempt: int) -> list[str]:
-        """The live peers whose supervisor is still in an attempt before ``attempt`` (its
-        launcher may still hold the rendezvous)."""
+    def live(self) -> dict[str, dict[str, Any]]:
+        """The live peers' files (read afresh)."""
         now = time.monotonic()
-        return [
-            node
-            for node, info in self.others().items()
-            if self._alive(node, info, now) and int(info.get("attempt", -1)) < attempt
-        ]
+        return {n: i for n, i in self.others().items() if self._alive(n, i, now)}
+
+    def ahead(self, attempt: int) -> str | None:
+        """A live peer that proposes or runs an attempt after ``attempt``: it has left this
+        one, which can therefore never complete (read at most every ``poll_s``)."""
+        now = time.monotonic()
+        if now - self._ahead_at[0] >= self.poll_s:
+            self._ahead_at = (now, self.live())
+        for node, info in self._ahead_at[1].items():
+            if int(info.get("attempt", -1)) > attempt:
+                return f"{node} (host {info.get('host')}) is at attempt {info.get('attempt')}"
+        return None
 
     def _alive(self, node: str, info: dict[str, Any], now: float) -> bool:
         """Running, and its file changed within ``stale_s`` (on our clock)."""
@@ -244,3 +263,15 @@ class Peers:
             + ": bring the node back (or replace it) and start the same command there, or "
             "requeue the job; the run resumes from its newest durable snapshot"
         )
+
+
+def agree(attempt: int, live: Mapping[str, Mapping[str, Any]], nnodes: int) -> tuple[int, bool]:
+    """One look at the agreement on the next attempt: (the attempt to propose now, whether
+    to start it). ``attempt``: this node's proposal; ``live``: the live peers' files. The
+    highest attempt any of them proposes or runs wins (a node that comes back late joins
+    the attempt the others wait in); the launcher starts once all ``nnodes`` are alive and
+    at it, so a peer still in an older attempt (it ends it on seeing ours, see
+    :meth:`Peers.ahead`) or still proposing a lower one is waited for."""
+    attempts = [int(i.get("attempt", -1)) for i in live.values()]
+    top = max([attempt, *attempts])
+    return top, 1 + len(live) >= nnodes and all(a == top for a in attempts)

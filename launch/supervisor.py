@@ -30,11 +30,12 @@ from typing import Any
 from tenacity import wait_exponential_jitter
 
 from launch.alerts import Alerter
+from launch.endpoint import Endpoint, is_local, launcher_endpoint, route_addr, unreachable
 from launch.exporter import Exporter
 from launch.hangs import collect, culprit_words
 from launch.janitor import Janitor
 from launch.lock import lock_path
-from launch.nodes import Ended, Peers, launcher_nodes
+from launch.nodes import AGREEING, IN_ATTEMPT, Ended, Peers, agree, launcher_nodes
 from launch.outcomes import (
     CRASH,
     GAVE_UP,
@@ -99,6 +100,9 @@ PAUSE_S, MIN_PAUSE_S = 30.0, 5.0
 # How long the exit code of a preemption waits for the preempted event that says whether
 # its durable snapshot was written (the rank that commits may be on another node).
 PREEMPTED_WAIT_S = 10.0
+# How long a launcher may outlive its finished ranks (torchrun's exit barrier waits for the
+# other nodes' launchers: seconds when they finish together, 300 s for one that never comes).
+LINGER_S = 30.0
 ALERT_ON_EXIT = {  # the supervisor's exits that page someone (alerts.events)
     EXIT_GAVE_UP: "gave_up",
     EXIT_UNHEALTHY: "unhealthy",
@@ -127,6 +131,13 @@ class Supervisor:
         # The other nodes' supervisors (launch/nodes.py): one attempt id, one end.
         self.nnodes = launcher_nodes(cmd, os.environ)
         self.peers = Peers(self.run_dir, self.node, self.nnodes, self.sup.heartbeat_interval_s)
+        # Where the launcher's rendezvous meets, and whether this node serves it
+        # (launch/endpoint.py); a node that does not waits for it to answer.
+        self._endpoint: Endpoint | None = (
+            launcher_endpoint(cmd, os.environ) if self.nnodes > 1 else None
+        )
+        self._store_here = self._endpoint is not None and is_local(self._endpoint.host)
+        self._left_for: str | None = None  # the node that left the current attempt first
         # The node's shared-memory ring (snapshot.shared_memory): kept across attempts,
         # removed when this supervisor stops for good.
         self.shm_dir = shm_root(policy.snapshot.shm_dir, self.run_dir, self.node)
@@ -164,6 +175,8 @@ class Supervisor:
                 self.sup.heartbeat_interval_s,
             )
             self.peers.publish(replica=self.replica.address)
+        if self._endpoint is not None:  # what the others see this node as (_store_words)
+            self.peers.publish(addr=route_addr(self._endpoint.host))
         code, why = 1, "the supervisor failed (see its traceback)"
         try:
             code, why = self._loop()
@@ -216,11 +229,14 @@ class Supervisor:
         best, stalled_attempts = history(self.run_dir, self.node)
         try:
             while True:
-                journal.attempt = attempt
-                self.peers.at(attempt)
-                self._attempt = attempt
                 if self.nnodes > 1:
-                    self._await_peers(attempt)
+                    agreed = self._agree(attempt)
+                    if agreed is None:  # a node is lost or ended the job, or a signal came
+                        return self._no_attempt(journal, best)
+                    attempt = agreed
+                journal.attempt = attempt
+                self._attempt = attempt
+                self.peers.at(attempt, IN_ATTEMPT)
                 if self._signals:
                     return self._stop(journal, EXIT_STOPPED, "stopped on request", best)
                 journal.write(
@@ -240,6 +256,9 @@ class Supervisor:
                     a.best_step is None and a.runtime_s >= self.sup.progress_runtime_s
                 )
                 best = max(best, a.best_step if a.best_step is not None else best)
+                # Not this node's failure, nor the job's: it does not count toward the crash
+                # loop (a node that is gone counts toward node_timeout_s instead).
+                blameless = None if progressed or a.outcome == OK else self._blameless()
                 journal.write(
                     EVENT_ATTEMPT_END,
                     best,
@@ -252,6 +271,7 @@ class Supervisor:
                         # useful work for an attempt killed before its metrics were written).
                         "progress_time": self._progress_time(attempt),
                         "ended_at": a.ended_at,
+                        "blameless": blameless,
                         "host": self.host,
                         "node": self.node,
                     },
@@ -300,7 +320,10 @@ class Supervisor:
                             f"{self.sup.max_unhealthy}: check this node",
                             best,
                         )
-                stalled_attempts = 0 if progressed else stalled_attempts + 1
+                if progressed:
+                    stalled_attempts = 0
+                elif blameless is None:
+                    stalled_attempts += 1
                 if stalled_attempts >= self.sup.crash_loop_attempts:
                     return self._stop(
                         journal,
@@ -359,22 +382,101 @@ class Supervisor:
                 return False
             self._wake.wait(left)
 
-    def _await_peers(self, attempt: int) -> None:
-        """Start ``attempt`` only once every live node has left its earlier attempts (bounded
-        by supervisor.node_timeout_s). torchrun's c10d rendezvous lives in one node's
-        launcher: a new launcher that meets a dying one's store joins a rendezvous that is
-        going away, and the attempt fails for nothing (a replaced node's supervisor starting
-        while the others still end the attempt its loss broke)."""
-        deadline = time.monotonic() + self.sup.node_timeout_s
-        said = False
-        while not self._signals and time.monotonic() < deadline:
-            behind = self.peers.behind(attempt)
-            if not behind:
-                return
-            if not said:
-                self._say(f"waiting for node(s) {behind} to end their attempt before {attempt}")
-                said = True
+    def _agree(self, attempt: int) -> int | None:
+        """The attempt every node starts next, agreed through the run directory before the
+        launcher starts (launch/nodes.py :func:`agree`); None when it never can be: a node
+        lost for supervisor.node_timeout_s (``_lost``), one that ended the job (``_ended``),
+        a signal. A node that is not the store's host also waits for the rendezvous endpoint
+        to answer: an attempt started across a cut network only fails on the launcher's
+        timeout, and the time that takes counts toward node_timeout_s, never a crash loop."""
+        said: set[str] = set()
+        cut_since: float | None = None
+        probed_at, cut = -float("inf"), None
+        while not self._signals:
+            self.peers.at(attempt, AGREEING)
+            attempt, start = agree(attempt, self.peers.live(), self.nnodes)
+            self.peers.at(attempt, AGREEING)
+            lost = self.peers.lost(self.sup.node_timeout_s)
+            if lost is not None:
+                self._note_lost(lost + self._store_words())
+                return None
+            self._ended = self.peers.ended(fresh=False)
+            if self._ended is not None:
+                return None
+            now = time.monotonic()
+            if self._endpoint is not None and not self._store_here and now - probed_at > 2.0:
+                probed_at, cut = now, unreachable(self._endpoint)
+                cut_since = (cut_since or now) if cut is not None else None
+            if cut is not None and cut_since is not None:
+                waited = time.monotonic() - cut_since
+                if waited > self.sup.node_timeout_s:
+                    self._note_lost(
+                        f"the launcher's rendezvous endpoint {self._endpoint} cannot be reached "
+                        f"from node {self.node} for {waited:.0f} s ({cut}; "
+                        f"supervisor.node_timeout_s={self.sup.node_timeout_s:g}){self._store_words()}"
+                        ": mend the network between the nodes, then requeue the job; the run "
+                        "resumes from its newest durable snapshot"
+                    )
+                    return None
+                wait = f"the rendezvous endpoint {self._endpoint} ({cut})"
+            elif start:
+                return attempt
+            else:
+                wait = f"the nodes to agree on attempt {attempt}"
+            if wait not in said:
+                said.add(wait)
+                self._say(f"waiting for {wait}")
             self._wake.wait(0.2)
+        return None
+
+    def _no_attempt(self, journal: Journal, best: int) -> tuple[int, str]:
+        """Stop, when the nodes never agreed on the next attempt (see :meth:`_agree`)."""
+        if self._lost is not None:
+            return self._stop(journal, EXIT_NODE_LOST, f"node lost: {self._lost}", best)
+        if self._ended is not None:
+            e = self._ended
+            return self._stop(
+                journal,
+                e.exit_code,
+                f"node {e.node} ended the job ({e.reason}; exit {e.exit_code}): this node "
+                "stops with it",
+                best,
+            )
+        return self._stop(journal, EXIT_STOPPED, "stopped on request", best)
+
+    def _blameless(self) -> str | None:
+        """Why the attempt that just failed is not this node's doing, if so: it was ended
+        because another node had left it, a node's supervisor is not alive, or the
+        rendezvous endpoint does not answer."""
+        if self._left_for is not None:
+            return f"ended for node {self._left_for}"
+        if self.nnodes > 1:
+            missing = self.nnodes - 1 - len(self.peers.live())
+            if missing > 0:
+                return f"{missing} node(s) without a live supervisor"
+            if self._endpoint is not None and not self._store_here:
+                cut = unreachable(self._endpoint)
+                if cut is not None:
+                    return f"the rendezvous endpoint does not answer: {cut}"
+        return None
+
+    def _store_words(self) -> str:
+        """Which node holds the launcher's store, for the lost-node message."""
+        if self._endpoint is None:
+            return ""
+        if self._store_here:
+            return f"; this node ({self.node}) holds the launcher's store at {self._endpoint}"
+        holders = [
+            f"{node} (host {info.get('host')})"
+            for node, info in self.peers.others().items()
+            if self._endpoint.host in (info.get("host"), info.get("addr"))
+        ]
+        where = f"node {holders[0]}" if len(holders) == 1 else "the node at that address"
+        return (
+            f"; {where} holds the launcher's store at {self._endpoint}: if that node is the one "
+            "lost, every other node's launcher fails with it (see docs/nodes.md, 'The store's "
+            "host')"
+        )
 
     def _backoff(self, restart: int) -> float:
         wait = wait_exponential_jitter(
@@ -470,7 +572,8 @@ class Supervisor:
         }
         started = time.monotonic()
         self._max_step = None
-        self._lost = self._ended = None
+        self._lost = self._ended = self._left_for = None
+        self._done_since: float | None = None  # since when all its ranks said "done"
         with self._open_log(attempt) as log:
             try:
                 self._proc = proc = subprocess.Popen(
@@ -552,6 +655,13 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     self._kill(signal.SIGKILL)
                 return None
+            if self._term_sent_at is None and self.nnodes > 1:
+                ahead = self.peers.ahead(attempt)
+                if ahead is not None:
+                    self._leave(proc, attempt, ahead)
+                    return None
+            if self._lingering(proc, attempt, beats):
+                return None
             # During a graceful stop the ranks wait for the preemption's durable snapshot
             # (rank 0 writes it, the others wait for its verdict, beating no progress):
             # grace_s bounds that, not hang_timeout_s.
@@ -606,6 +716,53 @@ class Supervisor:
                 return stalled
             self._wake.wait(0.5)
 
+    def _leave(self, proc: subprocess.Popen[bytes], attempt: int, ahead: str) -> None:
+        """End an attempt another node has left (it proposes or runs a later one): its
+        ranks are gone, so ours can only fail or hang in a collective with them. Killed, not
+        stopped gracefully: a graceful stop is itself a collective the others left."""
+        self._left_for = ahead.split(" ", 1)[0]
+        self.journal.write(
+            "attempt_left",
+            self._max_step if self._max_step is not None else -1,
+            {"why": ahead, "attempt": attempt, "node": self.node, "host": self.host},
+        )
+        self._say(f"node {ahead}: ending attempt {attempt}, which it left")
+        self._kill(signal.SIGKILL)
+        proc.wait()
+
+    def _lingering(
+        self, proc: subprocess.Popen[bytes], attempt: int, beats: list[dict[str, Any]]
+    ) -> bool:
+        """Whether the launcher outlived its finished ranks for LINGER_S, and was ended. The
+        job is finished (a ``run_end`` says so) but torchrun's exit barrier waits for every
+        node's launcher of its rendezvous round, up to 300 s: one that restarted into
+        another round (a replaced node) never arrives there."""
+        if not beats or any(b.get("phase") != "done" for b in beats):
+            self._done_since = None
+            return False
+        now = time.monotonic()
+        if self._done_since is None or now - self._done_since < LINGER_S:
+            self._done_since = self._done_since or now
+            return False
+        if classify(self.run_dir, -1, attempt) != OK:  # not finished: look again later
+            self._done_since = now
+            return False
+        self.journal.write(
+            "launcher_lingered",
+            self._max_step if self._max_step is not None else -1,
+            {"seconds": round(now - self._done_since, 1), "attempt": attempt, "node": self.node},
+        )
+        self._say(
+            f"the launcher outlived its finished ranks by {now - self._done_since:.0f} s "
+            "(waiting for another node's launcher in its exit barrier): ending it"
+        )
+        self._kill(signal.SIGTERM)
+        try:
+            proc.wait(self.sup.grace_s)
+        except subprocess.TimeoutExpired:
+            self._kill(signal.SIGKILL)
+        return True
+
     def _waiting_for_nodes(self, attempt: int) -> bool:
         """While our workers wait in the rendezvous: has a node stopped for good, or been
         gone for node_timeout_s? (Then this attempt can never start.)"""
@@ -614,15 +771,19 @@ class Supervisor:
         if ended is not None and ended.exit_code == EXIT_OK:
             ended = None  # the job finished: our workers end with it on their own
         if lost is not None:
-            self._lost = lost
-            self.journal.write(
-                EVENT_NODE_LOST,
-                self._max_step if self._max_step is not None else -1,
-                {"why": lost, "nnodes": self.nnodes, "node_timeout_s": self.sup.node_timeout_s,
-                 "node": self.node, "host": self.host},
-            )  # fmt: skip
+            self._note_lost(lost + self._store_words())
         self._ended = ended
         return lost is not None or ended is not None
+
+    def _note_lost(self, why: str) -> None:
+        self._lost = why
+        self.journal.write(
+            EVENT_NODE_LOST,
+            self._max_step if self._max_step is not None else -1,
+            {"why": why, "nnodes": self.nnodes, "node_timeout_s": self.sup.node_timeout_s,
+             "node": self.node, "host": self.host,
+             "endpoint": str(self._endpoint) if self._endpoint is not None else None},
+        )  # fmt: skip
 
     def _ask_stacks(self, beats: list[dict[str, Any]]) -> list[int]:
         """Signal the ranks of ``beats`` for their stacks, through the pidfds held since they

@@ -227,6 +227,37 @@ def test_a_node_that_never_comes_ends_the_job_with_exit_77(tmp_path: Path) -> No
     assert json.loads((d / "supervisors" / "n0.json").read_text())["state"] == "exited"
 
 
+def test_a_requeue_after_a_lost_node_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """Node 1's supervisor and ranks SIGKILLed and left dead: node 0 ends 77 without
+    starting an attempt alone (the nodes never agreed on one). Both started again with the
+    same commands (a requeue) agree on one attempt id, though their journals' counts differ,
+    and the job finishes bit for bit where an uninterrupted one does (issue 29: the counts
+    stayed one apart and every restart was refused until a crash loop)."""
+    clean = tmp_path / "clean"
+    for r in two_nodes(clean, BASE, "--steps", "40"):
+        assert r.returncode == 0, r.stdout[-3000:]
+    d = tmp_path / "run"
+    policy = {**BASE, "supervisor": {**FAST, "node_timeout_s": 4.0}}
+    procs = start_nodes(d, policy, "--steps", "40")
+    deadline = time.monotonic() + 120
+    while not any(e["step"] >= 20 for e in kinds(d, "persist")):  # bounded poll
+        assert time.monotonic() < deadline, "no durable snapshot of step 20"
+        assert procs[0].poll() is None, procs[0].communicate()[0][-3000:]
+        time.sleep(0.2)
+    os.killpg(procs[1].pid, signal.SIGKILL)  # the supervisor and everything it started
+    (r0,) = finish([procs[0]])
+    assert r0.returncode == EXIT_NODE_LOST, r0.stdout[-3000:]
+    assert not [e for e in kinds(d, "attempt_start") if e["attempt"] > 0]
+    for r in finish(start_nodes(d, policy, "--steps", "40")):
+        assert r.returncode == 0, r.stdout[-3000:]
+    starts = {(e["details"]["node"], e["attempt"]) for e in kinds(d, "attempt_start")}
+    assert starts == {("n0", 0), ("n1", 0), ("n0", 1), ("n1", 1)}, starts
+    assert not [e for e in kinds(d, "attempt_end") if e["attempt"] == 1
+                and e["details"]["outcome"] != "ok"]  # fmt: skip
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+
+
 def test_a_node_that_stops_for_good_stops_the_others(tmp_path: Path) -> None:
     """Node 1's supervisor may not restart (max_restarts: 0); after a crash it stops for
     good, and node 0, instead of waiting for it in the next rendezvous, stops too with its
@@ -301,26 +332,70 @@ def test_peers_judge_liveness_by_change_not_by_clock(tmp_path: Path) -> None:
         p.exited(0, "test over")
 
 
-def test_an_attempt_waits_for_live_nodes_still_in_an_earlier_one(tmp_path: Path) -> None:
-    """A node starts attempt N only once the live nodes left their attempts before N (their
-    launchers may still hold the rendezvous); a frozen node's file is not waited for."""
+def test_a_node_still_in_an_attempt_another_left_is_told_so(tmp_path: Path) -> None:
+    """A node whose peer proposes or runs a later attempt learns it (then ends its own: the
+    peer's ranks are gone); a peer at the same or an earlier attempt, or a frozen one, does
+    not count."""
+    from launch.nodes import AGREEING, IN_ATTEMPT
+
     d = str(tmp_path)
     n0, n1 = (Peers(d, n, nnodes=2, interval_s=0.1) for n in ("n0", "n1"))
-    n0.stale_s = 0.5
+    n0.stale_s, n0.poll_s = 0.5, 0.0
     n1.start()
     n0.start()
-    n1.at(0)
-    n0.at(1)
-    assert n0.behind(1) == ["n1"] and n0.behind(0) == []
-    n1.at(1)
-    assert n0.behind(1) == []
-    n1._stop.set()  # frozen in attempt 1: not waited for once stale
+    n0.at(1, IN_ATTEMPT)
+    n1.at(1, IN_ATTEMPT)
+    assert n0.ahead(1) is None
+    n1.at(0, AGREEING)
+    assert n0.ahead(1) is None
+    n1.at(2, AGREEING)
+    assert n0.ahead(1) == f"n1 (host {n1._mine['host']}) is at attempt 2"
+    n1._stop.set()  # frozen: not alive once stale, so no longer ahead of anyone
     n1._thread.join()  # type: ignore[union-attr]
     deadline = time.monotonic() + 10
-    while n0.behind(2):  # bounded poll
-        assert time.monotonic() < deadline, "a frozen peer was waited for"
+    while n0.ahead(1) is not None:  # bounded poll
+        assert time.monotonic() < deadline, "a frozen peer still counted"
         time.sleep(0.05)
     n0.exited(0, "test over")
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_nodes_agree_on_one_attempt_from_any_counts(seed: int) -> None:
+    """launch/nodes.py agree(), played out: three nodes with any own attempt counts (a
+    requeue after a lost node leaves them apart), each looking at the others' files at
+    random moments, some still in an old attempt (they leave it once a later one is
+    proposed, as the supervisor does): every node starts the same attempt, none before
+    all are at it, and it is the highest any of them proposed."""
+    import random
+
+    from launch.nodes import agree
+
+    rnd = random.Random(seed)
+    nodes = ["n0", "n1", "n2"]
+    files = {n: {"attempt": rnd.randint(0, 6), "running": rnd.random() < 0.3} for n in nodes}
+    highest = max(f["attempt"] for f in files.values())
+    # In an attempt: the others join it if it is the highest, else it leaves it.
+    started = {n: f["attempt"] for n, f in files.items() if f["running"]}
+    for _ in range(1000):
+        if len(started) == len(nodes) and len(set(started.values())) == 1:
+            break
+        n = rnd.choice(nodes)
+        mine = files[n]
+        others = {m: f for m, f in files.items() if m != n}
+        if mine["running"]:  # in an attempt: leave it when another is at a later one
+            if any(f["attempt"] > mine["attempt"] for f in others.values()):
+                mine.update(running=False, attempt=mine["attempt"] + 1)
+                del started[n]
+            continue
+        attempt, start = agree(mine["attempt"], others, len(nodes))
+        mine["attempt"] = attempt
+        if start:
+            started[n] = attempt
+            mine["running"] = True  # in it now, never to leave (nobody proposes later)
+            assert all(f["attempt"] == attempt for f in files.values())
+    assert len(started) == len(nodes), (seed, files, started)
+    assert len(set(started.values())) == 1, (seed, files, started)
+    assert started["n0"] in (highest, highest + 1)
 
 
 AGREE = """
