@@ -211,4 +211,4 @@ def assert_resharded(one: dict[str, Any], shards: list[dict[str, Any]]) -> None:
             assert_bitwise_equal(value, want, f"optim {index} {key}")
 
 
-pytest_plugins = ["s3_server"]
+pytest_plugins = ["s3_server", "netns"]
