@@ -230,6 +230,19 @@ class Peers:
                 return f"{node} (host {info.get('host')}) is at attempt {info.get('attempt')}"
         return None
 
+    def silent(self, seconds: float) -> list[str]:
+        """The running peers whose file does not change within ``seconds`` (looked at now,
+        waited for): a supervisor that died a moment ago still looks alive to :meth:`live`."""
+        first = {n: (i.get("pid"), i.get("seq")) for n, i in self.others().items()
+                 if i.get("state") == RUNNING}  # fmt: skip
+        deadline = time.monotonic() + seconds
+        while first and time.monotonic() < deadline:
+            time.sleep(min(0.2, self.interval_s))
+            now = self.others()
+            first = {n: k for n, k in first.items()
+                     if n in now and (now[n].get("pid"), now[n].get("seq")) == k}  # fmt: skip
+        return sorted(first)
+
     def _alive(self, node: str, info: dict[str, Any], now: float) -> bool:
         """Running, and its file changed within ``stale_s`` (on our clock)."""
         key = (info.get("pid"), info.get("seq"))

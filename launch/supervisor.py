@@ -324,6 +324,17 @@ class Supervisor:
                     stalled_attempts = 0
                 elif blameless is None:
                     stalled_attempts += 1
+                if stalled_attempts >= self.sup.crash_loop_attempts and self.nnodes > 1:
+                    # Before a verdict that blames this node: a peer that died with the
+                    # attempt looks alive until its file is stale_s old. Look that long.
+                    gone = self.peers.silent(self.peers.stale_s)
+                    if gone:
+                        stalled_attempts -= 1
+                        journal.write(
+                            "crash_not_counted",
+                            best,
+                            {"why": f"node(s) {gone} stopped beating", "node": self.node},
+                        )
                 if stalled_attempts >= self.sup.crash_loop_attempts:
                     return self._stop(
                         journal,
@@ -406,6 +417,13 @@ class Supervisor:
             now = time.monotonic()
             if self._endpoint is not None and not self._store_here and now - probed_at > 2.0:
                 probed_at, cut = now, unreachable(self._endpoint)
+                if cut is not None and cut_since is None:
+                    self.journal.write(
+                        "endpoint_unreachable",
+                        -1,
+                        {"endpoint": str(self._endpoint), "why": cut, "node": self.node,
+                         "node_timeout_s": self.sup.node_timeout_s},
+                    )  # fmt: skip
                 cut_since = (cut_since or now) if cut is not None else None
             if cut is not None and cut_since is not None:
                 waited = time.monotonic() - cut_since
@@ -446,18 +464,26 @@ class Supervisor:
 
     def _blameless(self) -> str | None:
         """Why the attempt that just failed is not this node's doing, if so: it was ended
-        because another node had left it, a node's supervisor is not alive, or the
-        rendezvous endpoint does not answer."""
+        because another node had left it, a node's supervisor is not alive, or the network
+        between the nodes does not answer (the rendezvous endpoint from a node that does not
+        hold the store; the other nodes from the one that does)."""
         if self._left_for is not None:
             return f"ended for node {self._left_for}"
-        if self.nnodes > 1:
-            missing = self.nnodes - 1 - len(self.peers.live())
-            if missing > 0:
-                return f"{missing} node(s) without a live supervisor"
-            if self._endpoint is not None and not self._store_here:
-                cut = unreachable(self._endpoint)
-                if cut is not None:
-                    return f"the rendezvous endpoint does not answer: {cut}"
+        if self.nnodes <= 1:
+            return None
+        live = self.peers.live()
+        if len(live) < self.nnodes - 1:
+            return f"{self.nnodes - 1 - len(live)} node(s) without a live supervisor"
+        if self._endpoint is None:
+            return None
+        if not self._store_here:
+            cut = unreachable(self._endpoint)
+            return f"the rendezvous endpoint does not answer: {cut}" if cut else None
+        for node, info in live.items():
+            addr = info.get("addr")
+            cut = unreachable(Endpoint(str(addr), self._endpoint.port)) if addr else None
+            if cut is not None:
+                return f"node {node} does not answer: {cut}"
         return None
 
     def _store_words(self) -> str:
@@ -474,8 +500,8 @@ class Supervisor:
         where = f"node {holders[0]}" if len(holders) == 1 else "the node at that address"
         return (
             f"; {where} holds the launcher's store at {self._endpoint}: if that node is the one "
-            "lost, every other node's launcher fails with it (see docs/nodes.md, 'The store's "
-            "host')"
+            "lost, every other node's launcher fails with it (docs/supervisor.md, "
+            "'The store's host', says how to make it survive that)"
         )
 
     def _backoff(self, restart: int) -> float:

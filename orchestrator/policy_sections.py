@@ -493,8 +493,9 @@ class SupervisorPolicy(_Section):
     node_timeout_s: float = Field(
         600.0,
         gt=0,
-        description="Several nodes: how long an attempt waits for a node whose supervisor "
-        "is gone (or never started) before the job ends with exit 77.",
+        description="Several nodes: how long the nodes wait for a node whose supervisor "
+        "is gone (or never started), or for a rendezvous endpoint that does not answer, "
+        "before the job ends with exit 77.",
     )
 
 

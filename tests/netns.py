@@ -263,15 +263,22 @@ def hosts() -> Iterator[Hosts]:
 
 
 def start_hosts(
-    hosts: Hosts, run_dir: Path, policy: dict[str, Any], *args: str
+    hosts: Hosts,
+    run_dir: Path,
+    policy: dict[str, Any],
+    *args: str,
+    port: int | None = None,
+    launcher: tuple[str, ...] = (),
 ) -> list[subprocess.Popen[str]]:
     """One supervisor per host (as ``test_nodes.start_nodes``, but each on its own network
     stack): a 2-node job, one rank per node, c10d rendezvous on host 0's address. The node
-    names are the hostnames (no ORCHESTRATOR_NODE), gloo uses the veth."""
+    names are the hostnames (no ORCHESTRATOR_NODE), gloo uses the veth. ``port``: the
+    rendezvous port (give the same one to start the same commands again); ``launcher``:
+    more torchrun options."""
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir.parent / f"{run_dir.name}-policy.yaml"
     path.write_text(yaml.safe_dump(policy))
-    port = free_port()  # free in the root namespace; host 0's stack has nothing bound at all
+    port = port or free_port()  # free in the root namespace; host 0's stack has nothing bound
     env = {k: v for k, v in os.environ.items() if k != "ORCHESTRATOR_NODE"}
     procs = []
     for i in range(2):
@@ -279,7 +286,8 @@ def start_hosts(
                "--run-dir", str(run_dir), "--", sys.executable, "-m", "torch.distributed.run",
                "--nnodes", "2", "--node-rank", str(i), "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.addr(0)}:{port}",
-               "--rdzv-id", run_dir.name, "--local-addr", hosts.addr(i), str(EXAMPLE), *args,
+               "--rdzv-id", run_dir.name, "--local-addr", hosts.addr(i), *launcher,
+               str(EXAMPLE), *args,
                "--save-final", str(run_dir / "final")]  # fmt: skip
         own = {**env, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": hosts.ifname}
         procs.append(hosts.popen(i, cmd, env=own))

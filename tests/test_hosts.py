@@ -8,12 +8,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from netns import PREFIX, Hosts, remove_stale, start_hosts
-from test_nodes import BASE, finish, start_nodes
+from test_nodes import BASE, FAST, finish, start_nodes
 
-from conftest import assert_bitwise_equal, final_states, kinds
+from conftest import assert_bitwise_equal, final_states, free_port, kinds
+from orchestrator.errors import EXIT_NODE_LOST
 from orchestrator.heartbeat import read_heartbeats
 
 LISTEN = """
@@ -120,3 +122,128 @@ def test_a_crashed_runs_namespaces_are_removed_and_live_ones_kept(hosts: Hosts) 
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert stale not in listed
     assert all(ns in listed for ns in (hosts.bridge_ns, *hosts.host_ns))  # ours: alive
+
+
+# Issue 29: what a real network does that loopback never did. crash_loop_attempts: 1, so
+# any failed attempt counted against a node ends the job 74 at once: these paths must not
+# count (they count toward node_timeout_s instead).
+NET = {**BASE, "supervisor": {**FAST, "node_timeout_s": 20.0, "crash_loop_attempts": 1,
+                              "hang_timeout_s": 10.0}}  # fmt: skip
+STEPS = ("--steps", "40")
+
+
+@pytest.fixture(scope="module")
+def clean40(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted 40-step run, on loopback (the same on two hosts, above)."""
+    d = tmp_path_factory.mktemp("clean") / "run"
+    for r in finish(start_nodes(d, BASE, *STEPS)):
+        assert r.returncode == 0, r.stdout[-3000:]
+    return d
+
+
+def until(what: str, done: Any, procs: list[subprocess.Popen[str]], limit: float = 120) -> None:
+    deadline = time.monotonic() + limit
+    while not done():  # bounded poll
+        assert time.monotonic() < deadline, f"never: {what}"
+        assert all(p.poll() is None for p in procs), f"a supervisor ended before {what}"
+        time.sleep(0.2)
+
+
+def exits(d: Path) -> dict[str, int]:
+    return {e["details"]["node"]: e["details"]["exit_code"] for e in kinds(d, "supervisor_exit")}
+
+
+def one_attempt_id_each_time(d: Path) -> None:
+    """Every attempt that started, started on both hosts (no attempt run alone)."""
+    by_attempt: dict[int, set[str]] = {}
+    for e in kinds(d, "attempt_start"):
+        by_attempt.setdefault(e["attempt"], set()).add(e["details"]["node"])
+    assert all(n == {"host0", "host1"} for n in by_attempt.values()), by_attempt
+
+
+@pytest.mark.timeout(600)
+def test_a_host_lost_for_good_ends_77_and_a_requeue_resumes_bit_for_bit(
+    tmp_path: Path, hosts: Hosts, clean40: Path
+) -> None:
+    """Host 1 dies (every process on it SIGKILLed) and stays dead: host 0 ends 77 naming
+    it, without an attempt alone. Both supervisors started again with the same commands
+    agree on one attempt id and finish bit for bit (before: their counts stayed one apart,
+    every start was refused, and both ended 74)."""
+    d, port = tmp_path / "run", free_port()
+    procs = start_hosts(hosts, d, NET, *STEPS, port=port)
+    until("a durable snapshot of step 20", lambda: any(
+        e["step"] >= 20 for e in kinds(d, "persist")), procs)  # fmt: skip
+    hosts.kill(1)
+    (r0,) = finish([procs[0]])
+    procs[1].wait(timeout=30)
+    assert r0.returncode == EXIT_NODE_LOST, r0.stdout[-3000:]
+    (lost,) = kinds(d, "node_lost")
+    assert "host1" in lost["details"]["why"], lost
+    for r in finish(start_hosts(hosts, d, NET, *STEPS, port=port)):
+        assert r.returncode == 0, r.stdout[-3000:]
+    one_attempt_id_each_time(d)
+    assert exits(d) == {"host0": 0, "host1": 0}
+    for a, b in zip(final_states(clean40), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+
+
+@pytest.mark.timeout(400)
+def test_losing_the_store_host_is_77_naming_it_never_a_crash_loop(
+    tmp_path: Path, hosts: Hosts
+) -> None:
+    """Host 0 holds torchrun's c10d store; it dies. Host 1's attempt fails with it, which
+    is not counted as a crash (crash_loop_attempts: 1 would end it 74 at once): host 1
+    waits for host 0 and ends 77 within node_timeout_s and one attempt, naming host 0 as
+    the store's host."""
+    d = tmp_path / "run"
+    procs = start_hosts(hosts, d, NET, *STEPS)
+    until("step 10", lambda: any(b["step"] >= 10 for b in read_heartbeats(str(d))), procs)
+    hosts.kill(0)
+    t0 = time.monotonic()
+    (r1,) = finish([procs[1]])
+    procs[0].wait(timeout=30)
+    assert r1.returncode == EXIT_NODE_LOST, r1.stdout[-3000:]
+    assert time.monotonic() - t0 < NET["supervisor"]["node_timeout_s"] + 60
+    (lost,) = kinds(d, "node_lost")
+    why = lost["details"]["why"]
+    assert lost["details"]["node"] == "host1" and "host0" in why, why
+    assert f"node host0 (host host0) holds the launcher's store at {hosts.addr(0)}:" in why, why
+    assert exits(d) == {"host1": EXIT_NODE_LOST}
+
+
+@pytest.mark.timeout(600)
+def test_a_partition_longer_than_every_timeout_heals_and_finishes_bit_for_bit(
+    tmp_path: Path, hosts: Hosts, clean40: Path
+) -> None:
+    """The hosts cut apart for 40 s, longer than hang_timeout_s (10 s) and the rendezvous'
+    own timeouts (read_timeout 10 s): both attempts end (hangs), never counted as crashes;
+    host 1 waits for the endpoint to answer (node_timeout_s 60 s is not reached); after the
+    network heals both agree on one attempt and finish bit for bit."""
+    d = tmp_path / "run"
+    policy = {**NET, "supervisor": {**NET["supervisor"], "node_timeout_s": 60.0}}
+    procs = start_hosts(hosts, d, policy, *STEPS, launcher=("--rdzv-conf", "read_timeout=10"))
+    until("a durable snapshot of step 10", lambda: any(
+        e["step"] >= 10 for e in kinds(d, "persist")), procs)  # fmt: skip
+    hosts.partition()
+    cut_at = time.monotonic()
+    try:
+        until("both attempts ended", lambda: {
+            e["details"]["node"] for e in kinds(d, "attempt_end")} == {"host0", "host1"},
+            procs, limit=60)  # fmt: skip
+        # The partition's length is the test's input, not a wait for some state.
+        time.sleep(max(0.0, cut_at + 40 - time.monotonic()))
+    finally:
+        hosts.heal()
+    for r in finish(procs):
+        assert r.returncode == 0, r.stdout[-3000:]
+    one_attempt_id_each_time(d)
+    failed = {(e["details"]["node"], e["details"]["outcome"]) for e in kinds(d, "attempt_end")
+              if e["details"]["outcome"] != "ok"}  # fmt: skip
+    assert {n for n, _ in failed} == {"host0", "host1"}, failed  # the cut ended both
+    assert exits(d) == {"host0": 0, "host1": 0}
+    # Host 1 did not start its launcher across the cut: it waited for the endpoint.
+    (cut,) = kinds(d, "endpoint_unreachable")
+    assert cut["details"]["node"] == "host1", cut
+    assert cut["details"]["endpoint"].startswith(hosts.addr(0)), cut
+    for a, b in zip(final_states(clean40), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
