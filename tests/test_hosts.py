@@ -86,6 +86,7 @@ def test_degrade_delays_every_round_trip(hosts: Hosts) -> None:
     listener.wait(timeout=30)
 
 
+@pytest.mark.matrix  # every test below ends bit for bit across the two hosts too
 @pytest.mark.timeout(400)
 def test_two_hosts_finish_bit_for_bit(tmp_path: Path, hosts: Hosts) -> None:
     """The clean run across two network stacks ends where the same run on loopback does;
@@ -245,5 +246,30 @@ def test_a_partition_longer_than_every_timeout_heals_and_finishes_bit_for_bit(
     (cut,) = kinds(d, "endpoint_unreachable")
     assert cut["details"]["node"] == "host1", cut
     assert cut["details"]["endpoint"].startswith(hosts.addr(0)), cut
+    for a, b in zip(final_states(clean40), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+
+
+@pytest.mark.timeout(400)
+def test_a_short_partition_is_ridden_out_without_a_restart(
+    tmp_path: Path, hosts: Hosts, clean40: Path
+) -> None:
+    """A 5 s cut, shorter than hang_timeout_s: the collectives wait, TCP retransmits, and
+    training goes on in the same attempt to the same bits."""
+    d = tmp_path / "run"
+    policy = {**NET, "supervisor": {**NET["supervisor"], "hang_timeout_s": 60.0}}
+    procs = start_hosts(hosts, d, policy, *STEPS)
+    until("step 10", lambda: any(b["step"] >= 10 for b in read_heartbeats(str(d))), procs)
+    hosts.partition()
+    cut_at = time.monotonic()
+    try:
+        # The partition's length is the test's input, not a wait for some state.
+        time.sleep(max(0.0, cut_at + 5 - time.monotonic()))
+    finally:
+        hosts.heal()
+    for r in finish(procs):
+        assert r.returncode == 0, r.stdout[-3000:]
+    assert {e["attempt"] for e in kinds(d, "attempt_start")} == {0}
+    assert kinds(d, "hang") == [] and kinds(d, "restart") == []
     for a, b in zip(final_states(clean40), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")

@@ -227,6 +227,7 @@ def test_a_node_that_never_comes_ends_the_job_with_exit_77(tmp_path: Path) -> No
     assert json.loads((d / "supervisors" / "n0.json").read_text())["state"] == "exited"
 
 
+@pytest.mark.matrix  # on real separate networks: tests/test_hosts.py (where netns can be made)
 def test_a_requeue_after_a_lost_node_resumes_bit_for_bit(tmp_path: Path) -> None:
     """Node 1's supervisor and ranks SIGKILLed and left dead: node 0 ends 77 without
     starting an attempt alone (the nodes never agreed on one). Both started again with the
