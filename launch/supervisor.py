@@ -103,6 +103,7 @@ PREEMPTED_WAIT_S = 10.0
 # How long a launcher may outlive its finished ranks (torchrun's exit barrier waits for the
 # other nodes' launchers: seconds when they finish together, 300 s for one that never comes).
 LINGER_S = 30.0
+PROBED_PEERS = 4  # how many peers the store's host probes after a failed attempt
 ALERT_ON_EXIT = {  # the supervisor's exits that page someone (alerts.events)
     EXIT_GAVE_UP: "gave_up",
     EXIT_UNHEALTHY: "unhealthy",
@@ -479,7 +480,9 @@ class Supervisor:
         if not self._store_here:
             cut = unreachable(self._endpoint)
             return f"the rendezvous endpoint does not answer: {cut}" if cut else None
-        for node, info in live.items():
+        # A few peers say whether this node's network is cut (each probe may take its
+        # timeout): on a thousand nodes, probing them all would stall the restart.
+        for node, info in sorted(live.items())[:PROBED_PEERS]:
             addr = info.get("addr")
             cut = unreachable(Endpoint(str(addr), self._endpoint.port)) if addr else None
             if cut is not None:
