@@ -429,3 +429,44 @@ def test_ranks_under_different_attempt_ids_refuse_to_start(tmp_path: Path, split
     else:
         for s in said:  # every rank refuses, naming each rank's id
             assert s.startswith("refused OrchestratorError") and "{0: 0, 1: 1}" in s, s
+
+
+def test_the_launcher_command_gives_the_rendezvous_endpoint() -> None:
+    from launch.endpoint import Endpoint, launcher_endpoint
+
+    run = ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"]
+    assert launcher_endpoint([*run, "--rdzv-endpoint", "node7:29999", "t.py"], {}) == Endpoint(
+        "node7", 29999
+    )
+    assert launcher_endpoint([*run, "--rdzv_endpoint=node7", "t.py"], {}) == Endpoint(
+        "node7", 29400
+    )
+    assert launcher_endpoint([*run, "--rdzv-endpoint", "[fe80::1]:5", "t.py"], {}) == Endpoint(
+        "fe80::1", 5
+    )
+    assert launcher_endpoint([*run, "--master-addr", "h0", "--master-port", "7", "t.py"], {}) == (
+        Endpoint("h0", 7)
+    )
+    assert launcher_endpoint(["deepspeed", "--master_addr=h1", "t.py"], {}) == Endpoint("h1", 29500)
+    assert launcher_endpoint(["python", "t.py"], {"MASTER_ADDR": "h2", "MASTER_PORT": "9"}) == (
+        Endpoint("h2", 9)
+    )
+    assert launcher_endpoint(["torchrun", "--standalone", "t.py"], {"MASTER_ADDR": "x"}) is None
+    assert launcher_endpoint(["python", "t.py"], {}) is None
+
+
+def test_an_endpoint_answers_when_it_accepts_or_refuses() -> None:
+    """A host that refuses (its launcher not up yet) answers; one that does not resolve does
+    not. (A cut network, which times out, is tests/test_hosts.py's.)"""
+    import socket
+
+    from launch.endpoint import Endpoint, is_local, route_addr, unreachable
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        assert unreachable(Endpoint("127.0.0.1", port)) is None
+    assert unreachable(Endpoint("127.0.0.1", port)) is None  # refused: the host is there
+    why = unreachable(Endpoint("no-such-host.invalid", 1))
+    assert why is not None and "does not resolve" in why
+    assert is_local("127.0.0.1") and not is_local("192.0.2.1")  # TEST-NET-1: never ours
+    assert route_addr("127.0.0.1") == "127.0.0.1"
