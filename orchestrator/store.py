@@ -14,7 +14,10 @@ Layout under ``persist.url`` (any fsspec URL)::
 
 Writes happen on a background thread per rank, with no collective: each rank writes its
 own part; rank 0 waits for all parts before it writes the manifest and the marker. A crash
-anywhere before the marker leaves a directory that listing and restore ignore.
+anywhere before the marker leaves a directory that listing and restore ignore. A retried
+write must not change bytes whose hashes rank 0 may already have committed (the first try
+may have taken effect, its answer lost): a part whose index of this nonce is stored is kept,
+and one written twice comes out the same (DCP's save id is the nonce's).
 
 What each rank writes: on replicated engines (single process, DDP) the model, optimizer,
 scheduler, scaler and counters are identical on every rank, so rank 0 writes them once and
@@ -266,16 +269,25 @@ class DurableStore:
         """
         from orchestrator.engines.native import save_native  # only engines with such files
 
+        d = step_dir(snap.step)
+        done = self._stored_part(d, rank, nonce)
+        if done is not None:
+            # A retry whose earlier attempt stored everything, its index last, and only lost
+            # the answer (the endpoint died between): rank 0 may already have committed the
+            # hashes in that index, so nothing under them may be written again.
+            return sum(int(f["size"]) for f in done["files"].values())
         native = {k: v for k, v in (native or {}).items() if k in keys}
         tensors: dict[str, torch.Tensor] = {}
         skeleton: dict[str, Any] = {
             k: encode(snap.skeleton[k], k, tensors, snap.buffers) for k in keys if k not in native
         }
-        d = step_dir(snap.step)
         part = self.path(d, f"rank_{rank}")
         self.fs.makedirs(part, exist_ok=True)
         if tensors:
-            writer = dcp_writer(self.fs, part)
+            # The save id DCP writes into .metadata is the nonce's, not a fresh one: a part
+            # written twice for one nonce (a retry racing a request that landed late) must
+            # be the same bytes, whichever copy of its index rank 0 read.
+            writer = dcp_writer(self.fs, part, f"{nonce}/rank_{rank}" if nonce else None)
             dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
         self._phase("part", snap.step)
         files: dict[str, dict[str, Any]] = {}
@@ -333,15 +345,15 @@ class DurableStore:
         expected = list(range(world_size)) if ranks is None else ranks
         d = step_dir(step)
         deadline = time.monotonic() + timeout_s
-        parts: dict[int, dict[str, Any]] = {}
+        parts: dict[int, tuple[dict[str, Any], str]] = {}  # rank -> (its index, its sha256)
         while len(parts) < len(expected):
             self._fresh()
             for r in expected:
                 path = self.path(d, f"rank_{r}.json")
                 if r not in parts and self.fs.exists(path):
-                    doc = self._read_json_or_none(path)
-                    if doc is not None and doc.get("nonce") == nonce:
-                        parts[r] = doc
+                    found = self._read_json_or_none(path)
+                    if found is not None and found[0].get("nonce") == nonce:
+                        parts[r] = found
             if len(parts) < len(expected):
                 if time.monotonic() > deadline:
                     missing = sorted(set(expected) - set(parts))
@@ -351,12 +363,11 @@ class DurableStore:
                     )
                 time.sleep(0.05)
         files: dict[str, Any] = {}
-        for r in sorted(parts):
-            files.update(parts[r]["files"])
-            files[f"rank_{r}.json"] = {
-                "size": None,
-                "sha256": self._sha(self.path(d, f"rank_{r}.json")),
-            }
+        for r, (doc, sha) in sorted(parts.items()):
+            # The index's hash is taken from the bytes its file list was parsed from: a
+            # second read could get another copy than the one whose list is recorded.
+            files.update(doc["files"])
+            files[f"rank_{r}.json"] = {"size": None, "sha256": sha}
         self._phase("parts", step)
         manifest = {
             "step": step,
@@ -407,11 +418,40 @@ class DurableStore:
         with self.fs.open(path, "w", encoding="utf-8") as f:
             json.dump(doc, f)
 
-    def _read_json_or_none(self, path: str) -> dict[str, Any] | None:
-        try:  # another process may be writing it right now
-            return self._read_json(path)
+    def _read_json_or_none(self, path: str) -> tuple[dict[str, Any], str] | None:
+        """The JSON object at ``path`` and the sha256 of the bytes it was parsed from, or
+        None if it cannot be read or parsed (another process may be writing it)."""
+        try:
+            with self.fs.open(path, "rb") as f:
+                data = f.read()
+            doc = json.loads(data)
         except (OSError, ValueError):
             return None
+        if not isinstance(doc, dict):
+            return None
+        return doc, hashlib.sha256(data).hexdigest()
+
+    def _stored_part(self, d: str, rank: int, nonce: str) -> dict[str, Any] | None:
+        """This rank's index in ``d`` if an earlier attempt of this write (``nonce``) stored
+        it, else None. Only a missing or torn index is None: any other error is raised (a
+        retry that could not look must not rewrite what rank 0 may have committed)."""
+        if not nonce:
+            return None  # no attempt to tell apart: always written afresh
+        self._fresh()
+        try:
+            with self.fs.open(self.path(d, f"rank_{rank}.json"), "rb") as f:
+                doc = json.loads(f.read())
+        except FileNotFoundError:
+            return None
+        except ValueError:  # torn by a writer that died mid-file: nobody can have used it
+            return None
+        if (
+            isinstance(doc, dict)
+            and doc.get("nonce") == nonce
+            and isinstance(doc.get("files"), dict)
+        ):
+            return doc
+        return None
 
     def _read_json(self, path: str) -> dict[str, Any]:
         with self.fs.open(path, "r", encoding="utf-8") as f:
@@ -629,12 +669,39 @@ class DurableStore:
         return doomed
 
 
-def dcp_writer(fs: Any, path: str) -> dcp.StorageWriter:
-    if _is_local(fs):
-        return dcp.FileSystemWriter(path, sync_files=True)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+class _FixedSaveId:
+    """A DCP writer whose ``.metadata`` carries the save id it is given (None: DCP's own,
+    a fresh uuid per save), so that saving the same tensors again gives the same bytes."""
 
-    return FsspecWriter(fs.unstrip_protocol(path), sync_files=False)
+    fixed_save_id: str | None = None
+
+    def storage_meta(self) -> Any:
+        meta = super().storage_meta()  # type: ignore[misc]
+        if meta is not None and self.fixed_save_id is not None:
+            meta.save_id = self.fixed_save_id
+        return meta
+
+
+class _FixedFileSystemWriter(_FixedSaveId, dcp.FileSystemWriter):
+    pass
+
+
+def dcp_writer(fs: Any, path: str, save_id: str | None = None) -> dcp.StorageWriter:
+    """DCP's writer for ``path`` on ``fs``; ``save_id``: what its ``.metadata`` records as
+    the save's id (None: a fresh one, DCP's default)."""
+    writer: _FixedSaveId
+    if _is_local(fs):
+        writer = _FixedFileSystemWriter(path, sync_files=True)
+    else:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        class _FixedFsspecWriter(_FixedSaveId, FsspecWriter):
+            pass
+
+        writer = _FixedFsspecWriter(fs.unstrip_protocol(path), sync_files=False)
+    writer.fixed_save_id = save_id
+    assert isinstance(writer, dcp.StorageWriter)
+    return writer
 
 
 class _SafeMetadata:

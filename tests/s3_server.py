@@ -123,7 +123,10 @@ class Endpoint:
     itself cannot be restarted with them). ``stop()`` closes the listener and resets every
     open connection: a client sees what a dead server gives it (refused, reset). ``start()``
     listens again on the same port. ``throttle(n)``: the next ``n`` requests get
-    ``503 SlowDown``, as S3 answers a client over its request rate."""
+    ``503 SlowDown``, as S3 answers a client over its request rate. ``die_after(method,
+    suffix)``: the endpoint dies right after the server carried out the next such request
+    whose path ends with ``suffix``, before its response went out (as ``stop()``): the
+    client sees the request fail, though it took effect."""
 
     def __init__(self, upstream: str) -> None:
         host, port = upstream.removeprefix("http://").split(":")
@@ -134,6 +137,7 @@ class Endpoint:
         self._conns: set[socket.socket] = set()
         self._throttled = 0
         self.throttled_total = 0
+        self._fatal: list[tuple[bytes, bytes]] = []
         self.requests_total = 0  # requests that reached the proxy (retries show here)
         self._listener: socket.socket | None = None
         self.start()
@@ -149,6 +153,10 @@ class Endpoint:
     def stop(self) -> None:
         listener, self._listener = self._listener, None
         if listener is not None:
+            # close() alone leaves a thread blocked in accept() accepting one more client
+            # (the kernel's socket outlives the fd until the call returns): shut it down.
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)
             listener.close()
         with self._lock:
             conns, self._conns = self._conns, set()
@@ -160,6 +168,10 @@ class Endpoint:
     def throttle(self, requests: int) -> None:
         with self._lock:
             self._throttled = requests
+
+    def die_after(self, method: bytes, suffix: bytes) -> None:
+        with self._lock:
+            self._fatal.append((method, suffix))
 
     def _accept(self, listener: socket.socket) -> None:
         while True:
@@ -205,6 +217,17 @@ class Endpoint:
             response = b""
             while chunk := up.recv(65536):
                 response += chunk
+            method, path = request.split(b" ", 2)[:2]
+            path = path.split(b"?", 1)[0]
+            with self._lock:
+                fatal = next(
+                    (m for m in self._fatal if m[0] == method and path.endswith(m[1])), None
+                )
+                if fatal is not None:
+                    self._fatal.remove(fatal)
+            if fatal is not None:  # done upstream; the client never hears of it
+                self.stop()
+                return
             client.sendall(_closing(response))
         except OSError:
             pass

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from s3_server import Endpoint
 
 from conftest import (
@@ -31,8 +32,10 @@ from conftest import (
     wait,
 )
 from orchestrator.audit import audit
-from orchestrator.retry import is_transient
-from orchestrator.store import DurableStore
+from orchestrator.policy_sections import PersistPolicy
+from orchestrator.retry import is_transient, storage_retry
+from orchestrator.snapshot import Snapshot, SnapshotRing
+from orchestrator.store import DurableStore, step_dir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -185,6 +188,66 @@ def test_the_s3_endpoint_dies_during_a_write_and_comes_back(
     assert DurableStore(url).committed_steps()[0] == 40
     for a, b in zip(final_states(uninterrupted), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
+
+
+def test_a_part_retried_after_its_index_was_stored_still_matches_the_manifest(
+    s3_endpoint_proxy: Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1's index (its last write) reaches the server, but the endpoint dies before the
+    response does: rank 1's writer retries the part while rank 0, which found the index
+    there, commits the snapshot with the sizes and hashes in it. The retry must leave the
+    bytes those hashes were taken from (CI once saw rank_1/.metadata differ from its hash:
+    DCP writes a fresh save id into it on every save). The ordering the race needs is made
+    here, not waited for: rank 0 commits while rank 1's retry sleeps."""
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # the lost response reaches our retries
+    url = _bucket(s3_endpoint_proxy)
+    store, nonce = DurableStore(url), uuid.uuid4().hex
+
+    def snap(key: str, value: torch.Tensor) -> Snapshot:
+        taken = SnapshotRing(2).capture(10, {key: {"t": value}})
+        assert taken is not None
+        return taken
+
+    store.write_part(snap("model", torch.arange(64.0)), 0, 2, ["model"], nonce)
+    s3_endpoint_proxy.die_after(b"PUT", b"/step_000000010/rank_1.json")
+    commits: list[dict[str, Any]] = []
+
+    def rank_0_commits(state: Any) -> None:  # the endpoint is back, rank 1 not yet retrying
+        s3_endpoint_proxy.start()
+        commits.append(store.commit(10, 2, nonce, {}, timeout_s=10.0))
+
+    policy = PersistPolicy(url=url, retries=3, retry_max_wait_s=0.1)
+    retrying = storage_retry(policy, before_sleep=rank_0_commits)
+    retrying(
+        store.write_part, snap("rng", torch.arange(8, dtype=torch.uint8)), 1, 2, ["rng"], nonce
+    )
+    assert len(commits) == 1, commits
+    (cand,) = store.candidates()
+    assert cand.committed and store.check(cand) is None
+
+
+def test_a_part_written_twice_for_one_nonce_is_the_same_bytes(tmp_path: Path, s3_url: str) -> None:
+    """The earlier attempt's index can also land after the retry looked for it (a request
+    the client gave up on, carried out late): the retry then writes the part again, and
+    every file must come out as before, byte for byte, whichever index rank 0 reads."""
+
+    state = {"model": {"w": torch.randn(4, 4)}, "rng": {"t": torch.arange(8, dtype=torch.uint8)}}
+    snap = SnapshotRing(2).capture(10, state)
+    assert snap is not None
+
+    def stored(store: DurableStore) -> dict[str, bytes]:
+        store.fs.invalidate_cache()
+        return {p: store.fs.cat_file(p) for p in store.fs.find(store.path(step_dir(10)))}
+
+    for url in (str(tmp_path / "snapshots"), s3_url):
+        store = DurableStore(url)
+        store.write_part(snap, 1, 2, ["model", "rng"], "a-nonce")
+        first = stored(store)
+        assert any(p.endswith("/.metadata") for p in first), first
+        store.fs.rm(store.path(step_dir(10), "rank_1.json"))  # not there yet when looked for
+        store.write_part(snap, 1, 2, ["model", "rng"], "a-nonce")
+        assert stored(store) == first, url
 
 
 def test_the_s3_endpoint_down_at_a_resume_is_waited_for_not_skipped(
