@@ -69,12 +69,14 @@ def start_nodes(
     return procs
 
 
-def finish(procs: list[subprocess.Popen[str]]) -> list[subprocess.CompletedProcess[str]]:
+def finish(
+    procs: list[subprocess.Popen[str]], timeout: float = 300
+) -> list[subprocess.CompletedProcess[str]]:
     """Wait for both supervisors (killing what is left on a timeout)."""
     results = []
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=300)
+            out, _ = p.communicate(timeout=timeout)
             results.append(subprocess.CompletedProcess(p.args, p.returncode, out))
     finally:
         for p in procs:
