@@ -186,7 +186,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--full-matrix",
         action="store_true",
         help="run the full matrix: every engine x architecture cell of tests/test_models.py, "
-        "and the older per-engine tests those cells cover (about 12 more minutes on 2 cores)",
+        "and the older per-engine tests those cells cover (about 13 more minutes on 2 cores)",
     )
 
 

@@ -34,6 +34,10 @@ def clean_exact(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
+# covered by default: the drill's nan cell (DDP, this example, a NaN gradient on the last
+# rank rolled back bit for bit), tests/test_models.py's ddp-gpt2 cell and
+# tests/test_accumulation.py's ddp cell (the same rollback, its incident and origin rank)
+@pytest.mark.matrix
 def test_transient_nan_grad_rolls_back_bit_for_bit(tmp_path: Path, clean_exact: Path) -> None:
     policy = {
         **EXACT,
@@ -54,6 +58,11 @@ def test_transient_nan_grad_rolls_back_bit_for_bit(tmp_path: Path, clean_exact: 
         assert_bitwise_equal(clean, faulty, "final")
 
 
+# covered by default: tests/test_data_budget.py's ddp cell (samples quarantined, the ledger,
+# bit for bit against a prequarantined run), tests/test_accumulation.py's ddp poison cell and
+# test_example_demo_prints_account below (this example's poison sample, reproduced and
+# quarantined)
+@pytest.mark.matrix
 def test_poison_sample_quarantined_bit_for_bit(tmp_path: Path) -> None:
     bad = poison_id(45)
     faulty = tmp_path / "faulty"
