@@ -786,6 +786,7 @@ class Supervisor:
             "(waiting for another node's launcher in its exit barrier): ending it"
         )
         self._kill(signal.SIGTERM)
+        self._kill(signal.SIGCONT)  # a stopped launcher takes its SIGTERM only once continued
         try:
             proc.wait(self.sup.grace_s)
         except subprocess.TimeoutExpired:

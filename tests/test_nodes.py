@@ -261,6 +261,35 @@ def test_a_requeue_after_a_lost_node_resumes_bit_for_bit(tmp_path: Path) -> None
         assert_bitwise_equal(a, b, "final")
 
 
+def test_a_finished_nodes_launcher_never_waits_for_a_peer_that_does_not_come(
+    tmp_path: Path,
+) -> None:
+    """torchrun's exit barrier waits up to 300 s for every launcher of its rendezvous round
+    (issue 29: a replaced node's launcher, in another round, never came). Node 1's torchrun
+    is stopped (SIGSTOP) mid-run, so it never reaches the barrier while its rank trains on
+    to the end: both supervisors end their lingering launchers once the run finished
+    (launcher_lingered) and exit 0, well before the barrier's 300 s."""
+    from launch.procs import descendants
+    from launch.supervisor import LINGER_S
+
+    d = tmp_path / "run"
+    procs = start_nodes(d, BASE, "--steps", "30")
+    deadline = time.monotonic() + 120
+    while not any(b["step"] >= 5 for b in read_heartbeats(str(d))):  # bounded poll
+        assert time.monotonic() < deadline, "training never reached step 5"
+        time.sleep(0.2)
+    (agent,) = [p for p in descendants(procs[1].pid)
+                if b"torch.distributed.run" in Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
+    os.kill(agent, signal.SIGSTOP)
+    t0 = time.monotonic()
+    results = finish(procs)
+    assert [r.returncode for r in results] == [0, 0], [r.stdout[-2000:] for r in results]
+    assert time.monotonic() - t0 < LINGER_S + 120  # not the barrier's 300 s
+    lingered = {e["details"]["node"] for e in kinds(d, "launcher_lingered")}
+    assert lingered == {"n0", "n1"}, kinds(d, "launcher_lingered")
+    assert {e["details"]["outcome"] for e in kinds(d, "attempt_end")} == {"ok"}
+
+
 def test_a_node_that_stops_for_good_stops_the_others(tmp_path: Path) -> None:
     """Node 1's supervisor may not restart (max_restarts: 0); after a crash it stops for
     good, and node 0, instead of waiting for it in the next rendezvous, stops too with its
