@@ -445,7 +445,9 @@ class Supervisor:
             if wait not in said:
                 said.add(wait)
                 self._say(f"waiting for {wait}")
-            self._wake.wait(0.2)
+            # Every node reads every node's file at each look: as rarely as liveness is
+            # judged (Peers.poll_s), so many nodes stay cheap on the shared file system.
+            self._wake.wait(self.peers.poll_s)
         return None
 
     def _no_attempt(self, journal: Journal, best: int) -> tuple[int, str]:
