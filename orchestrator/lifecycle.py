@@ -517,6 +517,15 @@ class Lifecycle:
             "attempt_incidents": len(self.recovery.incidents),
             "attempt_rollbacks": self.recovery.rollbacks,
         }
+        if self.metrics.unwritten:  # the disk stayed full to the end: say what is missing
+            summary["metrics_unwritten"] = self.metrics.unwritten
+            logger.error(
+                "rank %d: %d metrics rows could not be written to %s (its disk refused "
+                "writes until the end); the journal and snapshots are unaffected",
+                self.comm.rank,
+                self.metrics.unwritten,
+                self.metrics.path,
+            )
         if self.comm.rank == 0:  # the run's, earlier attempts' included (rank 0 journals them)
             kinds = [e["kind"] for e in read_journal(self.run_dir)]
             summary.update(incidents=kinds.count("incident"), rollbacks=kinds.count("rollback"))

@@ -210,6 +210,11 @@ class Metrics:
         self._torn = False
         self._lines = []
 
+    @property
+    def unwritten(self) -> int:
+        """Rows not in the file: waiting for the disk, or dropped past ``MAX_PENDING_ROWS``."""
+        return len(self._lines) + self.dropped
+
     def _failed(self, err: OSError) -> None:
         self.failures += 1
         if len(self._lines) > MAX_PENDING_ROWS:

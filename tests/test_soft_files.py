@@ -149,6 +149,7 @@ def test_journal_metrics_and_heartbeat_go_on_when_the_disk_is_full(tmpfs: Any) -
         write_record(str(run_dir / "new.json"), "{}")
     assert not list(run_dir.glob("*.tmp"))  # a failed write leaves no temporary file
     assert len(said) == 1 and said[0].errno == errno.ENOSPC
+    assert 0 < metrics.unwritten < 200  # run_end's metrics_unwritten if the run ended here
     filler.unlink()
     journal.write("after", 200, {})
     metrics.record(200, loss=1.0)
@@ -161,16 +162,20 @@ def test_journal_metrics_and_heartbeat_go_on_when_the_disk_is_full(tmpfs: Any) -
     (failed,) = [e for e in evs if e["kind"] == EVENT_JOURNAL_FAILED]
     assert failed["details"]["lost"] == 0 and "28" in failed["details"]["error"]
     assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(201))
+    assert metrics.unwritten == 0
 
 
 def test_a_full_run_dir_does_not_stop_training(
     tmpfs: Any, tmp_path: Path, clean_run: Callable[[int], Path]
 ) -> None:
     """The run directory (journal, metrics, heartbeats, logs) on a tmpfs that fills up at
-    step 10 and stays full for most of the run, the durable snapshots on another disk:
-    training goes on to the end, bit for bit a clean run, with no hang verdict (the
-    heartbeats keep beating) and exit 0; once space is back, every metrics row is there
-    and the journal says what failed."""
+    step 10 and stays full to step 70 (the metrics file's last page takes ~25 more rows
+    before its writes fail), the durable snapshots on another disk: training goes on to
+    the end, bit for bit a clean run, with no hang verdict (the heartbeats keep beating)
+    and exit 0; once space is back, every metrics row is there and the journal says what
+    failed. Space comes back 50 steps before the end: rows still waiting when the run
+    ends are lost (run_end's metrics_unwritten), and CI once saw a test that freed it 20
+    steps before the end (a heartbeat interval late, under load) come too late."""
     clean = clean_run(120)
     d = tmpfs("rd", 16 << 20) / "run"
     policy = {**SAME, "persist": {"every_steps": 10, "url": str(tmp_path / "store")},
@@ -181,15 +186,17 @@ def test_a_full_run_dir_does_not_stop_training(
     until("step 10", lambda: step_of(d) >= 10, proc)
     filler = fill(d.parent)
     full_at = step_of(d)
-    until("step 100 with the disk full", lambda: step_of(d) >= 100, proc)
+    # The heartbeats are written on the full disk, or this would never come.
+    until("step 70 with the disk full", lambda: step_of(d) >= max(70, full_at + 50), proc)
     filler.unlink()
     r = wait(proc)
     assert r.returncode == 0, r.stdout[-3000:]
-    assert step_of(d) - full_at >= 50  # the heartbeats kept being written on the full disk
     assert not events(d, "hang") and len(events(d, "attempt_start")) == 1
     (failed,) = [e for e in events(d, "write_failed") if e["details"]["file"] == "metrics"]
     assert "28" in failed["details"]["error"]
     assert [row["step"] for row in read_metrics(str(d))] == list(range(120))
+    (end,) = [e for e in events(d, "run_end") if e["rank"] == 0]
+    assert "metrics_unwritten" not in end["details"]
     (exit_,) = events(d, "supervisor_exit")
     assert exit_["details"]["exit_code"] == 0
     for a, b in zip(final_states(clean), [_load(p) for p in sorted(final.glob("rank*.pt"))],
