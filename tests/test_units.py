@@ -298,6 +298,58 @@ def test_hang_suspects_are_the_ranks_behind() -> None:
     assert suspects([]) == []
 
 
+def test_hang_culprits_come_from_the_heartbeat_phases_on_nccl(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On NCCL the ranks waiting for a hung peer sit in the Guard's host sync (check.py's
+    ``.tolist()``), outside any torch.distributed frame, so stacks alone name nobody. Real
+    heartbeat files say rank 1 is still in backward of step 30 while ranks 0 and 2 are in the
+    check: rank 1 is the culprit, by phase, with its innermost frame as the evidence."""
+    from launch.hangs import culprit_words, name_culprits
+    from orchestrator.heartbeat import Heartbeat, read_heartbeats
+
+    monkeypatch.delenv("ORCHESTRATOR_SUPERVISOR_PID", raising=False)  # no stack signal here
+    hbs = [Heartbeat(str(tmp_path), r, 0, interval_s=0.02) for r in range(3)]
+    for r, hb in enumerate(hbs):
+        hb.beat(30)  # the commit of step 29 (training thread), then the step's phases
+        hb.enter("backward")
+        if r != 1:
+            hb.enter("check")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        beats = read_heartbeats(str(tmp_path))
+        if [b["phase"] for b in beats] == ["check", "backward", "check"]:
+            break
+        time.sleep(0.02)
+    for hb in hbs:
+        hb.close()
+    assert [b["phase"] for b in beats] == ["check", "backward", "check"]
+    waiting = ['File "/site/orchestrator/check.py", line 88 in run',
+               'File "/site/orchestrator/guard.py", line 410 in step',
+               'File "train.py", line 60 in main']  # fmt: skip
+    stacks = {
+        0: waiting,
+        1: ['File "train.py", line 41 in forward', 'File "train.py", line 58 in main'],
+        2: waiting,
+    }
+    (culprit,) = name_culprits(beats, stacks, {0: "S", 1: "R", 2: "S"})
+    assert (culprit["rank"], culprit["by"], culprit["step"], culprit["phase"]) == (
+        1, "phase", 30, "backward",
+    )  # fmt: skip
+    assert culprit["frame"] == stacks[1][0] and culprit["answered"] and culprit["state"] == "R"
+    assert "rank 1" in culprit_words(culprit)
+    # A rank that gave no stack is named by its phase all the same, without a frame.
+    (silent,) = name_culprits(beats, {0: waiting, 2: waiting}, {1: "T"})
+    assert (silent["rank"], silent["answered"], silent["state"]) == (1, False, "T")
+    assert silent["pid"] == beats[1]["pid"]
+    # Where the phases cannot tell (everyone in the check), the stacks decide: the Guard's
+    # check counts as waiting, so a rank stuck elsewhere is still named.
+    same = [{**b, "phase": "check"} for b in beats]
+    (fallback,) = name_culprits(same, stacks)
+    assert (fallback["rank"], fallback["by"]) == (1, "stacks")
+    assert name_culprits(same, {0: waiting, 1: waiting, 2: waiting}) == []
+
+
 class _Counting(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
     """0, 1, 2, ... as {"id": i}; with ``stateful`` it resumes from its own state."""
 
