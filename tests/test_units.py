@@ -282,6 +282,42 @@ def test_exit_process_flushes_and_keeps_the_code() -> None:
     assert "unflushed" in r.stdout and "logged" in r.stdout and "never" not in r.stdout
 
 
+END_GROUPS_CHECK = """
+import os, sys, torch, torch.distributed as dist
+from orchestrator.comm import end_process_groups, exit_process, note_error
+def start():
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"],
+                            rank=0, world_size=1)
+    dist.all_reduce(torch.ones(4), group=dist.new_group([0]))  # a group of its own too
+start()
+print("clean", end_process_groups(), dist.is_initialized(), flush=True)
+os.environ["PORT"] = os.environ["PORT2"]
+start()
+note_error()  # e.g. a health check failed: a peer may be blocked in a collective
+print("error", end_process_groups(), dist.is_initialized(), flush=True)
+print("again", end_process_groups(), flush=True)
+os.environ["PORT"] = os.environ["PORT3"]
+start()
+exit_process(3)  # an error code: aborted, and the code kept
+"""
+
+
+def test_process_groups_are_aborted_not_destroyed_after_an_error() -> None:
+    """Destroying an NCCL group at exit can wait for peers blocked in a collective; after an
+    error (note_error, an uncaught exception, a non-zero exit_process code) every group is
+    aborted instead. The same path on gloo: the groups are gone and the process ends with
+    its code."""
+    from conftest import free_port, run
+
+    ports = {"PORT": str(free_port()), "PORT2": str(free_port()), "PORT3": str(free_port())}
+    r = run([sys.executable, "-c", END_GROUPS_CHECK], env=ports, timeout=50)
+    assert r.returncode == 3, r.stdout
+    lines = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (
+        ["clean"], ["error"], ["again"])]  # fmt: skip
+    assert lines == [["clean", "destroyed", "False"], ["error", "aborted", "False"],
+                     ["again", "none"]]  # fmt: skip
+
+
 def test_hang_suspects_are_the_ranks_behind() -> None:
     from orchestrator.heartbeat import suspects
 
