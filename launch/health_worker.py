@@ -42,7 +42,7 @@ def main() -> int:
         with open(os.path.join(run_dir, REPORT), "w", encoding="utf-8") as f:
             json.dump(report.to_dict(), f, indent=1)
         journal.write("health", 0, report.to_dict())
-    checker.close()
+    checker.close(abort=not report.healthy)  # a peer may be absent or frozen
     journal.close()
     return 0 if report.healthy else EXIT_UNHEALTHY
 

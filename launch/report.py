@@ -71,7 +71,7 @@ OTHER = {
 
 
 def hang_evidence(d: dict[str, Any]) -> str:
-    """Who stalled, and the culprits the stacks name (rank, host, frame), for a person."""
+    """Who stalled, and the culprits (rank, host, phase, frame), for a person."""
     said = f"ranks {sorted(d.get('stalled_ranks') or {})} stalled"
     for c in d.get("culprits") or []:
         said += f"; culprit {culprit_words(c)}"

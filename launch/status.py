@@ -114,7 +114,7 @@ def render(run_dir: str) -> str:
 def _brief(details: dict[str, Any]) -> str:
     keep = ("reason", "cause", "returncode", "origin_ranks", "stalled_ranks", "suspects", "why")
     said = " ".join(f"{k}={details[k]}" for k in keep if k in details)
-    for c in details.get("culprits") or []:  # a hang's, named from the ranks' stacks
+    for c in details.get("culprits") or []:  # a hang's, named from the phases or the stacks
         said += f" culprit: {culprit_words(c)}"
     return said
 

@@ -145,6 +145,47 @@ def fence_gloo_at_exit(timeout_s: float = EXIT_BARRIER_TIMEOUT_S) -> int:
     return fenced
 
 
+_ENDING_ON_ERROR = [False]  # note_error was called: the groups are aborted at the end
+
+
+def note_error() -> None:
+    """This process ends on an error (a health check failed, an exception left the training
+    loop): :func:`end_process_groups` aborts its process groups instead of destroying them."""
+    _ENDING_ON_ERROR[0] = True
+
+
+def ending_on_error() -> bool:
+    """Whether this process ends on an error: :func:`note_error` was called, or an exception
+    nobody caught is ending the interpreter (``sys.last_value``, set before ``atexit``)."""
+    return _ENDING_ON_ERROR[0] or getattr(sys, "last_value", None) is not None
+
+
+def end_process_groups(after_error: bool | None = None) -> str:
+    """End every process group of this process: destroyed after a clean run, aborted after
+    an error (``after_error``; None: :func:`ending_on_error`).
+
+    Why: destroying a group shuts its backend down, and NCCL's shutdown can wait for the
+    peers: when this rank leaves on an error while the others block in a collective (or
+    one of them is gone), the exit hangs. Aborting (``ncclCommAbort``) waits for nobody.
+    Gloo takes the same path (its abort, like its shutdown, is quick); should the abort
+    itself fail, the groups are destroyed as before.
+
+    Returns:
+        ``"aborted"``, ``"destroyed"``, or ``"none"`` (no process group initialized).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return "none"
+    if after_error if after_error is not None else ending_on_error():
+        try:
+            dist.distributed_c10d._abort_process_group()
+            return "aborted"
+        except Exception as err:  # at the end: destroy, as without an error
+            logger.warning("aborting the process groups failed (%r); destroying them", err)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return "destroyed"
+
+
 def exit_process(code: int = 0) -> NoReturn:
     """End a distributed training script: destroy the process groups, flush, and leave
     without Python's interpreter teardown. Call it last, on every rank, once no rank has a
@@ -155,12 +196,12 @@ def exit_process(code: int = 0) -> NoReturn:
     code without ``sys.exit``, or that never ran a Guard. ``os._exit`` skips interpreter
     finalization, and with it ``atexit`` handlers: close what you opened (the Guard,
     loggers, trackers) before; a Guard left open is closed here as at exit (``run_end``
-    status ``not_closed``)."""
+    status ``not_closed``). A non-zero ``code`` is an error: the process groups are aborted,
+    not destroyed (:func:`end_process_groups`)."""
     lifecycle = sys.modules.get("orchestrator.lifecycle")  # loaded if a Guard ever ran
     if lifecycle is not None:
         lifecycle.close_forgotten()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    end_process_groups(after_error=code != 0 or ending_on_error())
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

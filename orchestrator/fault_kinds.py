@@ -211,10 +211,17 @@ class CorruptManifestFault(_Fault):
 
 class MissHealthFault(_Fault):
     """This rank never enters the first health check it should run (it blocks, as a rank
-    hung elsewhere does): the others must time out, name it, and not hang."""
+    hung elsewhere does), or, with ``stop``, enters it and freezes: the others must time out,
+    name it, and not hang."""
 
     kind: Literal["miss_health"]
     rank: int = Field(ge=0, description="The rank that stays away.")
+    stop: bool | None = Field(
+        None,
+        description="true: the rank enters the check (the roll call) and then stops itself "
+        "with SIGSTOP, as a debugger or a stalled kernel freezes a process (every thread "
+        "stops); the others name it as entered but silent. Unset: it never enters.",
+    )
 
 
 Fault = Annotated[

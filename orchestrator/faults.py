@@ -349,11 +349,19 @@ class FaultInjector:
         with store.fs.open(path, "wb") as f:
             f.write(data)
 
-    def miss_health(self) -> None:
-        """``miss_health``: never enter the health check (block, as a rank hung elsewhere)."""
-        if self._take_first(lambda f: isinstance(f, MissHealthFault), -1):
-            while True:
-                time.sleep(3600)
+    def miss_health(self, entered: bool = False) -> None:
+        """``miss_health``: never enter the health check (block, as a rank hung elsewhere);
+        with ``stop``, once ``entered`` (after the roll call), stop this process (SIGSTOP)."""
+        f = self._take_first(
+            lambda f: isinstance(f, MissHealthFault) and bool(f.stop) == entered, -1
+        )
+        if f is None:
+            return
+        if entered:
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen until SIGCONT or SIGKILL
+            return
+        while True:
+            time.sleep(3600)
 
     @staticmethod
     def truncate(store: DurableStore, step: int) -> str:

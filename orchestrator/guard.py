@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 
 from orchestrator.adjust import LRAdjuster
 from orchestrator.check import Checked, StepCheck
-from orchestrator.comm import Comm
+from orchestrator.comm import Comm, note_error
 from orchestrator.crashes import (
     IN_BODY,
     IN_GUARD,
@@ -435,6 +435,8 @@ class Guard:
         # An error mid-step leaves nothing worth persisting: only a clean exit persists.
         if isinstance(exc, BaseException):
             self._loop_error(exc)
+            if not isinstance(exc, RunStop):  # peers may be blocked in a collective
+                note_error()
         self.close(persist=exc is None or isinstance(exc, RunStop))
 
     def _loop_error(self, err: BaseException) -> None:

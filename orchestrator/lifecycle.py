@@ -16,9 +16,14 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-import torch.distributed as dist
-
-from orchestrator.comm import Comm, fence_gloo_at_exit, keep_for_exit
+from orchestrator.comm import (
+    Comm,
+    end_process_groups,
+    ending_on_error,
+    fence_gloo_at_exit,
+    keep_for_exit,
+    note_error,
+)
 from orchestrator.crashes import Suspicion, read_marks, suspicion
 from orchestrator.cursor import DataCursor
 from orchestrator.durable import DurableTier
@@ -290,14 +295,14 @@ def _at_exit() -> None:
     """A script that simply returns must end as well as one that calls ``exit_process``:
     close what it left open, fence the gloo groups so that no gloo worker thread frees a
     tensor during interpreter finalization (that aborts a finished run, SIGABRT: see
-    :func:`orchestrator.comm.fence_gloo_at_exit`), then destroy the process groups."""
+    :func:`orchestrator.comm.fence_gloo_at_exit`), then end the process groups: destroyed,
+    or aborted when the process ends on an error (:func:`orchestrator.comm.end_process_groups`)."""
     close_forgotten()
     if not _STARTED[0]:
         return
     try:
         fence_gloo_at_exit()
-        if dist.is_available() and dist.is_initialized():  # the script may have destroyed it
-            dist.destroy_process_group()
+        end_process_groups()  # the script may have destroyed them: then nothing to do
     except Exception as err:  # at exit: never mask the script's own outcome
         logger.warning("ending the process groups at exit failed: %r", err)
 
@@ -417,7 +422,9 @@ class Lifecycle:
         """Close the run (nothing persisted) when a budget or health stop leaves the block."""
         try:
             yield
-        except (GaveUp, Unhealthy):
+        except (GaveUp, Unhealthy) as err:
+            if isinstance(err, Unhealthy):  # a rank may be absent or frozen: abort at the end
+                note_error()
             self.close(step(), persist=False)
             raise
 
@@ -510,7 +517,7 @@ class Lifecycle:
             self.keeper.shm.close(remove=ENV_SHM_DIR not in os.environ)
         self.metrics.flush()
         if self.health is not None:
-            self.health.close()
+            self.health.close(abort=on_exit or ending_on_error())
         self.heartbeat.beat(step, phase="done", force=True)
         self.heartbeat.close()
         summary: dict[str, Any] = {

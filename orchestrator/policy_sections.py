@@ -319,11 +319,19 @@ class HealthPolicy(_Section):
     timeout_s: float = Field(
         60.0,
         gt=0,
-        description="Hard limit for every collective of a check: a rank that does not "
-        "answer in time fails the check instead of hanging it.",
+        description="Hard limit for a whole check on each rank: its collectives must "
+        "complete within the first 75% of it (waited for on the host, NCCL included) and "
+        "every rank's evidence must reach the store by 95%; a rank that does not answer in "
+        "time is named (absent, or silent if it entered) instead of hanging the check. The "
+        "health group's own timeout (NCCL's watchdog) is twice this, so this one fires "
+        "first.",
     )
     bandwidth_mb: float = Field(
-        16.0, gt=0, description="Size of the buffer all-reduced to measure bandwidth (MiB)."
+        16.0,
+        gt=0,
+        description="Size of the buffer all-reduced to measure bandwidth (MiB). 16 MiB suits "
+        "CPUs and slow links; over NVLink or fast InfiniBand it measures latency: use 256 "
+        "MiB or more there (1024 on NVLink 4), so one all-reduce takes milliseconds.",
     )
     bandwidth_reps: int = Field(3, ge=1, description="Timed all-reduces (median taken).")
     min_bandwidth_ratio: float = Field(

@@ -4,9 +4,11 @@ At start each rank registers :mod:`faulthandler` on ``SIGUSR2`` (no Python code 
 the handler, so it answers even with the GIL held or the main thread blocked in C inside a
 collective), writing all its threads' stacks to ``heartbeats/<node>/rank<r>.stack``. On a hang
 the supervisor signals every rank of its node, gathers the stacks into
-``RUN_DIR/hangs/attempt-<n>/`` and names the culprits: when one rank hangs, the others soon
-wait inside a ``torch.distributed`` collective further on, so the ranks whose training
-thread is *not* inside one are the ones to suspect. Torch-free: the supervisor imports it.
+``RUN_DIR/hangs/attempt-<n>/`` and names the culprits. The heartbeats' phases name them first
+(``launch/hangs.py``: the ranks behind the others, who wait for them further on); the stacks
+are the evidence, and the fallback where the phases cannot tell: when one rank hangs, the
+others soon wait inside a collective further on, so the ranks whose training thread is *not*
+inside one are the ones to suspect. Torch-free: the supervisor imports it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from typing import IO, Any
 
 STACK_SIGNAL = signal.SIGUSR2
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.MULTILINE)
-# Where a rank waits for the others: torch's collectives and their waits.
-_COLLECTIVE = ("torch/distributed/", "torch/nn/parallel/distributed.py")
+# Where a rank waits for the others: torch's collectives and their waits, and the Guard's
+# check, whose host sync (``.tolist()`` of the all-reduced flags) is where a rank waits on NCCL
+# (the collective itself returns once queued, so no torch.distributed frame is left).
+_COLLECTIVE = ("torch/distributed/", "torch/nn/parallel/distributed.py", "orchestrator/check.py")
 
 
 def arm(path: str) -> IO[str]:

@@ -142,6 +142,102 @@ def test_a_rank_that_never_enters_the_check_is_named_and_nothing_hangs(tmp_path:
     assert event["details"]["hosts"] == [socket.gethostname()]  # the absent rank's, named
     (health_event,) = kinds(d, "health")
     assert health_event["details"]["absent"] == {"1": event["details"]["hosts"][0]}
-    assert health_event["details"]["seconds"] < timeout_s + 10
+    # Within health.timeout_s, and not much sooner:
+    # rank 0 waited for rank 1's evidence until then.
+    assert 0.75 * timeout_s <= health_event["details"]["seconds"] < timeout_s
+    # The collectives ended on the check's own deadline (the async_op wait NCCL takes too),
+    # not on the group's timeout, which is longer (NCCL's watchdog must never fire first).
+    (mine,) = health_event["details"]["ranks"]
+    assert mine["checks"]["collectives"]["error"].startswith("HealthTimeout")
+    assert mine["checks"]["bandwidth"] == {
+        "ok": False,
+        "error": mine["checks"]["collectives"]["error"],
+    }
     (fault,) = kinds(d, "fault")
     assert fault["rank"] == 1 and fault["details"]["key"] == "miss_health:rank=1"
+    # The healthy rank was not killed: it closed its run, saying why it stopped.
+    (end,) = kinds(d, "run_end")
+    assert end["rank"] == 0 and end["details"]["status"] == "stopped"
+
+
+def test_a_rank_frozen_inside_the_check_is_named_and_nothing_hangs(tmp_path: Path) -> None:
+    """miss_health with stop on rank 1: it enters the standalone check (the roll call) and
+    freezes (SIGSTOP: no thread of it runs). Rank 0's collectives end at the check's
+    deadline; rank 1's evidence never comes; rank 0 names it as entered but silent, within
+    health.timeout_s, and exits 72."""
+    timeout_s = 4.0
+    fault = {"kind": "miss_health", "rank": 1, "stop": True}
+    code, report, out = health(tmp_path, {"health": {"timeout_s": timeout_s}, "faults": [fault]})
+    assert code == EXIT_UNHEALTHY, out[-3000:]
+    assert report["silent"] == {"1": socket.gethostname()} and report["absent"] == {}
+    assert list(report["bad_ranks"]) == ["1"]
+    assert report["bad_ranks"]["1"][0].startswith("absent: entered")
+    assert 0.75 * timeout_s <= report["seconds"] < timeout_s
+    (mine,) = report["ranks"]
+    assert mine["rank"] == 0 and mine["checks"]["compute"]["ok"]
+    assert mine["checks"]["collectives"]["error"].startswith("HealthTimeout")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "how", ["set_float32_matmul_precision_high", "set_float32_matmul_precision_medium",
+            "cuda_allow_tf32", "new_api_tf32"],
+)  # fmt: skip
+def test_compute_check_runs_at_ieee_fp32_and_restores_the_scripts_setting(
+    tmp_path: Path, how: str
+) -> None:
+    """A script that turns TF32 on (nanoGPT does; bf16 on CPUs with oneDNN: "medium") must
+    not fail the compute self-test: its matmul runs at IEEE fp32 (on CPU the same code
+    path), and the script's setting is what it was afterwards, through both of torch's
+    precision APIs."""
+    import torch
+
+    from orchestrator.comm import Comm
+    from orchestrator.faults import FaultInjector
+    from orchestrator.health import HealthChecker, ieee_fp32
+    from orchestrator.journal import Journal
+    from orchestrator.policy import parse_policy
+
+    def settings() -> dict[str, Any]:
+        b = torch.backends
+        out: dict[str, Any] = {"cuda.matmul": b.cuda.matmul.fp32_precision,
+                               "mkldnn.matmul": b.mkldnn.matmul.fp32_precision}  # fmt: skip
+        for name, get in (("legacy", torch.get_float32_matmul_precision),
+                          ("cuda_tf32", lambda: b.cuda.matmul.allow_tf32)):  # fmt: skip
+            try:
+                out[name] = get()
+            except RuntimeError:  # the script mixed the two APIs: torch will not say
+                out[name] = "mixed"
+        return out
+
+    before = settings()
+    try:
+        if how.startswith("set_float32"):
+            torch.set_float32_matmul_precision(how.rsplit("_", 1)[1])
+        elif how == "cuda_allow_tf32":
+            torch.backends.cuda.matmul.allow_tf32 = True
+        else:
+            torch.backends.cuda.matmul.fp32_precision = "tf32"
+        theirs = settings()
+        assert theirs["cuda.matmul"] == "tf32"
+        with ieee_fp32():  # consistent inside: cuBLAS checks the two APIs agree
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert torch.backends.cuda.matmul.allow_tf32 is False
+            assert settings()["mkldnn.matmul"] == "ieee"
+        assert settings() == theirs
+        policy = parse_policy({"health": {"memory_mb": 1}})
+        journal = Journal(str(tmp_path), 0, 0)
+        faults = FaultInjector(policy.faults, 0, str(tmp_path), journal)
+        checker = HealthChecker(policy.health, Comm(), faults, str(tmp_path))
+        report = checker.run("preflight")
+        checker.close()
+        journal.close()
+        assert report.healthy, report.to_dict()
+        assert report.ranks[0]["checks"]["compute"]["max_rel_error"] < 1e-4
+        assert settings() == theirs  # the script's TF32 is on again
+        if how == "set_float32_matmul_precision_high":
+            assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before["legacy"])
+        torch.backends.cuda.matmul.fp32_precision = before["cuda.matmul"]
+        torch.backends.mkldnn.matmul.fp32_precision = before["mkldnn.matmul"]

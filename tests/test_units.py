@@ -282,6 +282,42 @@ def test_exit_process_flushes_and_keeps_the_code() -> None:
     assert "unflushed" in r.stdout and "logged" in r.stdout and "never" not in r.stdout
 
 
+END_GROUPS_CHECK = """
+import os, sys, torch, torch.distributed as dist
+from orchestrator.comm import end_process_groups, exit_process, note_error
+def start():
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"],
+                            rank=0, world_size=1)
+    dist.all_reduce(torch.ones(4), group=dist.new_group([0]))  # a group of its own too
+start()
+print("clean", end_process_groups(), dist.is_initialized(), flush=True)
+os.environ["PORT"] = os.environ["PORT2"]
+start()
+note_error()  # e.g. a health check failed: a peer may be blocked in a collective
+print("error", end_process_groups(), dist.is_initialized(), flush=True)
+print("again", end_process_groups(), flush=True)
+os.environ["PORT"] = os.environ["PORT3"]
+start()
+exit_process(3)  # an error code: aborted, and the code kept
+"""
+
+
+def test_process_groups_are_aborted_not_destroyed_after_an_error() -> None:
+    """Destroying an NCCL group at exit can wait for peers blocked in a collective; after an
+    error (note_error, an uncaught exception, a non-zero exit_process code) every group is
+    aborted instead. The same path on gloo: the groups are gone and the process ends with
+    its code."""
+    from conftest import free_port, run
+
+    ports = {"PORT": str(free_port()), "PORT2": str(free_port()), "PORT3": str(free_port())}
+    r = run([sys.executable, "-c", END_GROUPS_CHECK], env=ports, timeout=50)
+    assert r.returncode == 3, r.stdout
+    lines = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (
+        ["clean"], ["error"], ["again"])]  # fmt: skip
+    assert lines == [["clean", "destroyed", "False"], ["error", "aborted", "False"],
+                     ["again", "none"]]  # fmt: skip
+
+
 def test_hang_suspects_are_the_ranks_behind() -> None:
     from orchestrator.heartbeat import suspects
 
@@ -296,6 +332,58 @@ def test_hang_suspects_are_the_ranks_behind() -> None:
     assert suspects([beat(0, 30, "check"), beat(1, 30, "check")]) == []
     assert suspects([beat(0, 30, "check"), beat(1, 30, "recovered")]) == []
     assert suspects([]) == []
+
+
+def test_hang_culprits_come_from_the_heartbeat_phases_on_nccl(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On NCCL the ranks waiting for a hung peer sit in the Guard's host sync (check.py's
+    ``.tolist()``), outside any torch.distributed frame, so stacks alone name nobody. Real
+    heartbeat files say rank 1 is still in backward of step 30 while ranks 0 and 2 are in the
+    check: rank 1 is the culprit, by phase, with its innermost frame as the evidence."""
+    from launch.hangs import culprit_words, name_culprits
+    from orchestrator.heartbeat import Heartbeat, read_heartbeats
+
+    monkeypatch.delenv("ORCHESTRATOR_SUPERVISOR_PID", raising=False)  # no stack signal here
+    hbs = [Heartbeat(str(tmp_path), r, 0, interval_s=0.02) for r in range(3)]
+    for r, hb in enumerate(hbs):
+        hb.beat(30)  # the commit of step 29 (training thread), then the step's phases
+        hb.enter("backward")
+        if r != 1:
+            hb.enter("check")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        beats = read_heartbeats(str(tmp_path))
+        if [b["phase"] for b in beats] == ["check", "backward", "check"]:
+            break
+        time.sleep(0.02)
+    for hb in hbs:
+        hb.close()
+    assert [b["phase"] for b in beats] == ["check", "backward", "check"]
+    waiting = ['File "/site/orchestrator/check.py", line 88 in run',
+               'File "/site/orchestrator/guard.py", line 410 in step',
+               'File "train.py", line 60 in main']  # fmt: skip
+    stacks = {
+        0: waiting,
+        1: ['File "train.py", line 41 in forward', 'File "train.py", line 58 in main'],
+        2: waiting,
+    }
+    (culprit,) = name_culprits(beats, stacks, {0: "S", 1: "R", 2: "S"})
+    assert (culprit["rank"], culprit["by"], culprit["step"], culprit["phase"]) == (
+        1, "phase", 30, "backward",
+    )  # fmt: skip
+    assert culprit["frame"] == stacks[1][0] and culprit["answered"] and culprit["state"] == "R"
+    assert "rank 1" in culprit_words(culprit)
+    # A rank that gave no stack is named by its phase all the same, without a frame.
+    (silent,) = name_culprits(beats, {0: waiting, 2: waiting}, {1: "T"})
+    assert (silent["rank"], silent["answered"], silent["state"]) == (1, False, "T")
+    assert silent["pid"] == beats[1]["pid"]
+    # Where the phases cannot tell (everyone in the check), the stacks decide: the Guard's
+    # check counts as waiting, so a rank stuck elsewhere is still named.
+    same = [{**b, "phase": "check"} for b in beats]
+    (fallback,) = name_culprits(same, stacks)
+    assert (fallback["rank"], fallback["by"]) == (1, "stacks")
+    assert name_culprits(same, {0: waiting, 1: waiting, 2: waiting}) == []
 
 
 class _Counting(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
