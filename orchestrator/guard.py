@@ -540,7 +540,10 @@ class Guard:
             # torch's clip_grad_norm_ formula, by the norm the check all-reduced: every rank
             # scales its own (local or sharded) gradients by the same global factor.
             coef = max_norm / (grad_norm + 1e-6)
-        self.engine.commit(lr_multiplier, coef)
+        # The check's verdict on the gradients, where it judged them: a loss scaler skips
+        # by it (every rank alike, and no host sync of its own).
+        overflow = outcome == OVERFLOW_SKIP if self.check.check_grads else None
+        self.engine.commit(lr_multiplier, coef, overflow)
         checked = self._checked
         low = self.metrics.after_step(
             self.global_step, outcome, loss, grad_norm, lambda: self.lr, self.engine.loss_scale,

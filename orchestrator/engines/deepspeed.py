@@ -232,7 +232,7 @@ class DeepSpeedEngine(Engine):
     def accumulate(self) -> None:
         self.ds.step()  # not a boundary: DeepSpeed only counts the micro-step
 
-    def _apply(self, lr_multiplier: float) -> None:
+    def _apply(self, lr_multiplier: float, overflow: bool | None = None) -> None:
         if not self.ds.is_gradient_accumulation_boundary():
             raise UsageError(
                 "the DeepSpeed engine is not at a gradient-accumulation boundary where the "

@@ -17,11 +17,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from orchestrator.engines.torch_native import TorchEngine
 from orchestrator.errors import UsageError
+from orchestrator.policy import Policy
 from orchestrator.rng import rng_state
 from orchestrator.snapshot import Snapshot
 
@@ -230,6 +232,23 @@ class FSDP1Engine(TorchEngine):
 
     def can_rerun_fp32(self) -> bool:
         return False
+
+    def check_policy(self, policy: Policy) -> None:
+        # A plain GradScaler's found_inf is this rank's shard's alone (ShardedGradScaler
+        # all-reduces it; FSDP2's DTensor gradients reduce it too): the step is gated by
+        # the check's global flag instead (TorchEngine._scaler_step), which needs the
+        # gradients in the check.
+        if (
+            self.scaler is not None
+            and not isinstance(self.scaler, ShardedGradScaler)
+            and not policy.detect.check_grads
+        ):
+            raise UsageError(
+                "FSDP1 with a plain torch.amp.GradScaler and detect.check_grads: false: each "
+                "rank would skip overflowed steps by its own shard's gradients, and the ranks "
+                "diverge. Set detect.check_grads: true (the Guard then skips by the global "
+                "verdict), or use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"
+            )
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.model.no_sync()  # type: ignore[operator]
