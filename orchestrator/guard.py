@@ -196,6 +196,7 @@ class Guard:
                     "write_failed", self.global_step,
                     {"file": "metrics", "path": self.metrics.path, "error": repr(err)},
                 ),
+                on_low=lambda step, low: self._decide("update_ratio_low", step, **low),
             )  # fmt: skip
             self.faults.install_module_faults(
                 self.engine.core, lambda: self.global_step, lambda: self.investigation.incident_step
@@ -512,10 +513,13 @@ class Guard:
         mult = self.adjuster.multiplier() * self.faults.lr_factor(self.global_step)
         grads = self.engine.judge(mult)
         loss = self._loss if gas == 1 else self._loss / gas
+        ratio = self.metrics.pending()  # the last measured update ratio (rank 0)
         c = self._checked = self.check.run(
             self.global_step, loss, grads, self.lifecycle.signals.requested,
-            digest=digest if self._replicated else None,
+            digest=digest if self._replicated else None, extra=ratio,
         )  # fmt: skip
+        if ratio is not None:
+            self.metrics.resolve(c.extra)
         if snap is not None and c.agreed is not None:
             snap.agreed = c.agreed
             if c.agreed and c.digest is not None:
@@ -545,13 +549,11 @@ class Guard:
         overflow = outcome == OVERFLOW_SKIP if self.check.check_grads else None
         self.engine.commit(lr_multiplier, coef, overflow)
         checked = self._checked
-        low = self.metrics.after_step(
+        self.metrics.after_step(
             self.global_step, outcome, loss, grad_norm, lambda: self.lr, self.engine.loss_scale,
             check_s=checked.seconds if checked is not None else None,
             writing=checked is not None and checked.writing,
         )  # fmt: skip
-        if low is not None:
-            self._event("update_ratio_low", **low)
         self.cursor.commit(self.global_step)
         self._micro = 0
         self.keeper.seal_through(self.global_step, self.rollbacks)
