@@ -62,7 +62,7 @@ from orchestrator.policy import Policy, load_policy
 from orchestrator.protocol import ENV_SHM_DIR, LEDGER_NAME
 from orchestrator.quarantine import Ledger
 from orchestrator.recovery import Recovery
-from orchestrator.rng import rng_state, set_rng_state
+from orchestrator.rng import rng_state, set_rng_state, set_torch_rng_state, torch_rng_state
 from orchestrator.snapshot import SnapshotRing
 from orchestrator.tuning import Measured, Tuner, resolve_auto, ring_min_steps
 
@@ -189,6 +189,9 @@ class Guard:
             self._resumed = False  # batches() resumed (or found nothing to resume from)
             self._stepped = False  # a step was committed in this process
             self._checked: Checked | None = None  # the last step's check, as every rank saw it
+            # torch's generators as the step's first micro-batch found them: re-runs of the
+            # step start from there, so a NaN tied to a dropout mask reproduces.
+            self._step_rng: tuple[torch.Tensor, Any] | None = None
             check_memory(p, comm, self.engine, self.shm.root if self.shm else None)
             self.metrics = Metrics(
                 p.metrics, self.run_dir, self.attempt, comm.rank == 0, p.export.tensorboard_dir,
@@ -327,6 +330,8 @@ class Guard:
                 with self.investigation.rerun() as ids:
                     batch = self.cursor.rerun_batch(ids)
                     self._begin_batch(ids)
+                    if self._step_rng is not None:
+                        set_torch_rng_state(self._step_rng)
                     yield batch
                 self._end_batch()
                 continue
@@ -347,6 +352,8 @@ class Guard:
             self._begin_batch(fetched[0])
             self.marker.set(step, self._micro, -1, IN_BODY)
             last = self._micro + 1 >= self.engine.micro_steps_per_step
+            if self._micro == 0:
+                self._step_rng = torch_rng_state()
             with contextlib.nullcontext() if last else self.engine.no_sync():
                 yield fetched[1]  # a micro-batch before the last: no communication
             self._end_batch()

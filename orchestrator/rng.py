@@ -93,3 +93,22 @@ def _old_entry(states: list[torch.Tensor], index: int) -> torch.Tensor | None:
         index,
     )
     return None
+
+
+def torch_rng_state(device: torch.device | int | None = None) -> tuple[torch.Tensor, Any]:
+    """torch's CPU generator and this rank's CUDA one: what a step's dropout draws from.
+    Cheap enough for every step (host copies of the generators' state, no device sync)."""
+    cuda = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = torch.cuda.get_rng_state(_cuda_index(device))
+    return torch.get_rng_state(), cuda
+
+
+def set_torch_rng_state(
+    state: tuple[torch.Tensor, Any], device: torch.device | int | None = None
+) -> None:
+    """Put back :func:`torch_rng_state`'s ``state``."""
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, _cuda_index(device))

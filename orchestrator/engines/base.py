@@ -131,8 +131,10 @@ class Engine(ABC):
         rank's own and unscaled; elsewhere by its loss alone, and skip backward."""
         return self._rerun_grads_local and not self.has_loss_scaler
 
-    def can_rerun_fp32(self) -> bool:
-        """An fp32 copy of the model can re-run a step here (forensics)."""
+    def can_rerun_fp32(self, autocast: bool = False) -> bool:
+        """An fp32 re-run of a step means something here (forensics): the model holds
+        low-precision parameters, or the step ran under ``autocast`` (the loop body's own)."""
+        del autocast
         return False
 
     def part_keys(self, keys: list[str], holds_shared: bool) -> list[str]:

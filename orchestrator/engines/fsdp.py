@@ -97,7 +97,7 @@ class FSDP2Engine(TorchEngine):
         self._unscale()
         return [_local(p.grad) for p in self._params() if p.grad is not None]
 
-    def can_rerun_fp32(self) -> bool:
+    def can_rerun_fp32(self, autocast: bool = False) -> bool:
         return False  # the sharded state's dtype is FSDP's business
 
     @contextlib.contextmanager
@@ -230,7 +230,7 @@ class FSDP1Engine(TorchEngine):
     _rerun_grads_local = False  # as for FSDP2: no_sync would leak unsharded grads
     rank_local_keys = FSDP2Engine.rank_local_keys
 
-    def can_rerun_fp32(self) -> bool:
+    def can_rerun_fp32(self, autocast: bool = False) -> bool:
         return False
 
     def check_policy(self, policy: Policy) -> None:

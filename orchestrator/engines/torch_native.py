@@ -75,9 +75,10 @@ class TorchEngine(Engine):
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def can_rerun_fp32(self) -> bool:
-        # Plain PyTorch or DDP with fp16/bf16 parameters (sharded engines own their dtype).
-        return low_precision(self.core)
+    def can_rerun_fp32(self, autocast: bool = False) -> bool:
+        # Plain PyTorch or DDP with fp16/bf16 parameters, or fp32 ones under the loop's
+        # autocast (sharded engines own their dtype).
+        return autocast or low_precision(self.core)
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self.micro_steps_per_step > 1:
