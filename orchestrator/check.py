@@ -47,6 +47,7 @@ class Checked:
     digest: int | None = None
     overflow_since: int | None = None  # persistent_overflow: the first skipped step
     spike: SpikeBar | None = None  # a spike: where its metric stood (isolation judges by it)
+    extra: list[float] | None = None  # this rank's ``extra`` values, read with the check's
 
 
 class StepCheck:
@@ -74,17 +75,23 @@ class StepCheck:
         grads: list[torch.Tensor],
         stop_requested: bool,
         digest: torch.Tensor | None = None,
+        extra: torch.Tensor | None = None,
     ) -> Checked:
         """Collective: every rank of the group calls it once per optimizer step, with the
         ``digest`` of this step's snapshot where the replicas compare one (every rank, or
-        none)."""
+        none). ``extra``: this rank's own device values to read with the step's host sync
+        (not reduced; any rank, e.g. rank 0's update-ratio norms), in ``Checked.extra``."""
         t0 = time.perf_counter()
         control = (float(stop_requested), *self.durable.control())
         packed = pack_local(loss, grads, self.check_grads, control)
         self.heartbeat.enter("check")  # a rank that never gets here is the one others wait for
         # The digests' MAX all-reduce is queued first: the step's host sync below covers it.
         compared = replicas.compare_async(self.comm, digest) if digest is not None else None
-        vals = self.comm.all_reduce_sum_(packed).tolist()  # the one host sync of the step
+        reduced = self.comm.all_reduce_sum_(packed)
+        if extra is not None:
+            reduced = torch.cat([reduced, extra.to(reduced.device, reduced.dtype).reshape(-1)])
+        vals = reduced.tolist()  # the one host sync of the step
+        mine = vals[len(packed) :] if extra is not None else None
         agreed, top = replicas.agreed(*compared) if compared is not None else (None, None)
         # On a GPU the host sync also waits for the step's queued kernels: an upper bound.
         seconds = time.perf_counter() - t0
@@ -112,7 +119,7 @@ class StepCheck:
             self._zero_gradients(step)
         return Checked(
             gloss, gnorm, reason, overflow, vals[STOP] > 0, self.durable.busy, seconds,
-            agreed=agreed, digest=top, overflow_since=since, spike=spike,
+            agreed=agreed, digest=top, overflow_since=since, spike=spike, extra=mine,
         )  # fmt: skip
 
     def rewind(self, step: int) -> None:

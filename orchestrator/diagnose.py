@@ -42,6 +42,10 @@ class ModuleLocator:
         self.backward = backward
         self.forward_hit: str | None = None
         self.backward_hit: str | None = None
+        #: Some module ran under autocast (the loop body's own ``torch.autocast``): the
+        #: step ran in low precision although the parameters may be fp32.
+        self.autocast = False
+        self._device = next((p.device.type for p in root.parameters()), "cpu")
         self._handles: list[RemovableHandle] = []
 
     def __enter__(self) -> ModuleLocator:
@@ -62,6 +66,8 @@ class ModuleLocator:
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
             if self.forward_hit is None and _nonfinite(output):
                 self.forward_hit = name
+            if not self.autocast and torch.is_autocast_enabled(self._device):
+                self.autocast = True
 
         return hook
 
@@ -108,9 +114,50 @@ def low_precision(root: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
+def autocast_off() -> Iterator[None]:
+    """Autocast off for every device type, and kept off inside the loop body's own
+    ``torch.autocast`` contexts, until exit (then everything as it was).
+
+    An outer ``autocast(enabled=False)`` does not do it: autocast is a thread-local switch
+    (its dispatch key excluded or not) that every ``autocast.__enter__`` sets again, so the
+    user's ``with torch.autocast("cuda", dtype=torch.bfloat16)`` inside turns it back on
+    (likewise ``torch._C._set_autocast_enabled`` or a dispatch-key guard). Every autocast
+    context, of any device type and any subclass (``torch.cuda.amp.autocast`` too), enables
+    itself through ``torch.set_autocast_enabled``: that is replaced, for this context only,
+    by one that always sets False. Process-wide while it lasts (one forensics re-run, on
+    the training thread; the Guard's own threads use no autocast). Not covered: a model
+    compiled with autocast inside its graph (``torch.compile``), and code calling
+    ``torch._C._set_autocast_enabled`` itself."""
+    real = torch.set_autocast_enabled
+    devices = ("cpu", "cuda", "xpu", "mps", "hpu")
+    before = {}
+    for d in devices:
+        with contextlib.suppress(RuntimeError):  # a device type this build does not know
+            before[d] = torch.is_autocast_enabled(d)
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        if "enabled" in kwargs:
+            kwargs["enabled"] = False
+        elif args:
+            args = (*args[:-1], False)
+        real(*args, **kwargs)
+
+    try:
+        for d in before:
+            real(d, False)
+        torch.set_autocast_enabled = never
+        yield
+    finally:
+        torch.set_autocast_enabled = real
+        for d, enabled in before.items():
+            real(d, enabled)
+
+
+@contextlib.contextmanager
 def full_precision(root: nn.Module) -> Iterator[None]:
-    """fp32 copies of every low-precision parameter and buffer, autocast off, for one
-    forward; the originals (same tensors, same storage) are back afterwards.
+    """fp32 copies of every low-precision parameter and buffer, autocast off (even inside
+    the loop body's own ``torch.autocast``, :func:`autocast_off`), for one forward; the
+    originals (same tensors, same storage) are back afterwards.
 
     A parameter is replaced by an fp32 copy in its module, never changed in place: setting
     a parameter's ``.data`` to another dtype drops its gradient accumulator, and DDP's
@@ -118,7 +165,6 @@ def full_precision(root: nn.Module) -> Iterator[None]:
     all-reduced those gradients and the replicas drifted apart, silently (found by the
     replica digest, orchestrator/replicas.py). A copy's gradients are never wanted: the
     fp32 re-run is judged by its loss alone."""
-    device = next(root.parameters()).device.type
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     saved = []
     for module in root.modules():
@@ -131,7 +177,7 @@ def full_precision(root: nn.Module) -> Iterator[None]:
                 saved.append((t, t.data))
                 t.data = t.data.float()
     try:
-        with torch.autocast(device, enabled=False):
+        with autocast_off():
             yield
     finally:
         for module, name, p in swapped:

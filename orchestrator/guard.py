@@ -62,7 +62,7 @@ from orchestrator.policy import Policy, load_policy
 from orchestrator.protocol import ENV_SHM_DIR, LEDGER_NAME
 from orchestrator.quarantine import Ledger
 from orchestrator.recovery import Recovery
-from orchestrator.rng import rng_state, set_rng_state
+from orchestrator.rng import rng_state, set_rng_state, set_torch_rng_state, torch_rng_state
 from orchestrator.snapshot import SnapshotRing
 from orchestrator.tuning import Measured, Tuner, resolve_auto, ring_min_steps
 
@@ -189,6 +189,9 @@ class Guard:
             self._resumed = False  # batches() resumed (or found nothing to resume from)
             self._stepped = False  # a step was committed in this process
             self._checked: Checked | None = None  # the last step's check, as every rank saw it
+            # torch's generators as the step's first micro-batch found them: re-runs of the
+            # step start from there, so a NaN tied to a dropout mask reproduces.
+            self._step_rng: tuple[torch.Tensor, Any] | None = None
             check_memory(p, comm, self.engine, self.shm.root if self.shm else None)
             self.metrics = Metrics(
                 p.metrics, self.run_dir, self.attempt, comm.rank == 0, p.export.tensorboard_dir,
@@ -196,6 +199,7 @@ class Guard:
                     "write_failed", self.global_step,
                     {"file": "metrics", "path": self.metrics.path, "error": repr(err)},
                 ),
+                on_low=lambda step, low: self._decide("update_ratio_low", step, **low),
             )  # fmt: skip
             self.faults.install_module_faults(
                 self.engine.core, lambda: self.global_step, lambda: self.investigation.incident_step
@@ -326,6 +330,8 @@ class Guard:
                 with self.investigation.rerun() as ids:
                     batch = self.cursor.rerun_batch(ids)
                     self._begin_batch(ids)
+                    if self._step_rng is not None:
+                        set_torch_rng_state(self._step_rng)
                     yield batch
                 self._end_batch()
                 continue
@@ -346,6 +352,8 @@ class Guard:
             self._begin_batch(fetched[0])
             self.marker.set(step, self._micro, -1, IN_BODY)
             last = self._micro + 1 >= self.engine.micro_steps_per_step
+            if self._micro == 0:
+                self._step_rng = torch_rng_state()
             with contextlib.nullcontext() if last else self.engine.no_sync():
                 yield fetched[1]  # a micro-batch before the last: no communication
             self._end_batch()
@@ -514,10 +522,13 @@ class Guard:
         mult = self.adjuster.multiplier() * self.faults.lr_factor(self.global_step)
         grads = self.engine.judge(mult)
         loss = self._loss if gas == 1 else self._loss / gas
+        ratio = self.metrics.pending()  # the last measured update ratio (rank 0)
         c = self._checked = self.check.run(
             self.global_step, loss, grads, self.lifecycle.signals.requested,
-            digest=digest if self._replicated else None,
+            digest=digest if self._replicated else None, extra=ratio,
         )  # fmt: skip
+        if ratio is not None:
+            self.metrics.resolve(c.extra)
         if snap is not None and c.agreed is not None:
             snap.agreed = c.agreed
             if c.agreed and c.digest is not None:
@@ -542,15 +553,16 @@ class Guard:
             # torch's clip_grad_norm_ formula, by the norm the check all-reduced: every rank
             # scales its own (local or sharded) gradients by the same global factor.
             coef = max_norm / (grad_norm + 1e-6)
-        self.engine.commit(lr_multiplier, coef)
+        # The check's verdict on the gradients, where it judged them: a loss scaler skips
+        # by it (every rank alike, and no host sync of its own).
+        overflow = outcome == OVERFLOW_SKIP if self.check.check_grads else None
+        self.engine.commit(lr_multiplier, coef, overflow)
         checked = self._checked
-        low = self.metrics.after_step(
+        self.metrics.after_step(
             self.global_step, outcome, loss, grad_norm, lambda: self.lr, self.engine.loss_scale,
             check_s=checked.seconds if checked is not None else None,
             writing=checked is not None and checked.writing,
         )  # fmt: skip
-        if low is not None:
-            self._event("update_ratio_low", **low)
         self.cursor.commit(self.global_step)
         self._micro = 0
         self.keeper.seal_through(self.global_step, self.rollbacks)

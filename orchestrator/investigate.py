@@ -161,10 +161,12 @@ class Investigation:
                 bad = bad or (bool(grads) and not bool(torch.isfinite(grad_norm(grads))))
             if self._reruns == 0 and self._locator is not None:
                 self._located = self._locator.result if own else None
-                self._locator = None
-                # A reproducible NaN in a low-precision model: once more in fp32 (every
-                # rank together; the ranks without suspects re-run their filler).
-                if self.comm.all_reduce_max(int(bad and own)) and self.engine.can_rerun_fp32():
+                autocast, self._locator = self._locator.autocast, None
+                # A reproducible NaN in a low-precision model or step: once more in fp32
+                # (every rank together; the ranks without suspects re-run their filler).
+                if self.comm.all_reduce_max(int(bad and own)) and self.engine.can_rerun_fp32(
+                    bool(self.comm.all_reduce_max(int(autocast)))
+                ):
                     current = self._probe.current
                     self._fp32_ids = current[0] if current is not None else self._probe.filler
             self._probe.record(bad)

@@ -854,3 +854,44 @@ def test_a_heartbeat_that_cannot_be_written_is_said_once(tmp_path: Path) -> None
         time.sleep(0.01)
     beat.close()
     assert len(said) == 1 and isinstance(said[0], OSError)
+
+
+# --- RNG state ----------------------------------------------------------------------------
+def test_rng_state_round_trips_and_holds_no_per_device_list() -> None:
+    import random
+
+    from orchestrator.rng import rng_state, set_rng_state
+
+    state = rng_state()
+    a = (torch.rand(3), random.random())
+    set_rng_state(state)
+    assert torch.equal(torch.rand(3), a[0]) and random.random() == a[1]
+    # CUDA, where there is one: this rank's device alone (a tensor, not a list by index).
+    assert not isinstance(state.get("cuda"), list)
+
+
+def _philox(seed: int, offset: int) -> torch.Tensor:
+    return torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8)
+
+
+def test_old_format_cuda_rng_restores_the_stream_that_moved() -> None:
+    """Old snapshots hold one CUDA state per device visible at save time. The rank's own is
+    the one whose Philox offset moved; else the entry at the index of its device now;
+    else none (fewer devices saved than that index: no IndexError)."""
+    import random
+
+    from orchestrator.rng import _old_entry, set_rng_state
+
+    seed = 67280421310721
+    states = [_philox(seed, 0), _philox(seed, 0), _philox(seed, 4096), _philox(seed, 0)]
+    picked = _old_entry(states, index=0)  # resumed with one device per process: index 0
+    assert picked is not None and torch.equal(picked, states[2])
+    untouched = [_philox(seed, 0), _philox(seed + 1, 0)]
+    picked = _old_entry(untouched, index=1)
+    assert picked is not None and torch.equal(picked, untouched[1])
+    assert _old_entry(untouched, index=5) is None
+    # An old-format state loads without CUDA (the CUDA part is skipped, the rest restored).
+    old = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    expect = torch.rand(2)
+    set_rng_state({**old, "cuda": states})
+    assert torch.equal(torch.rand(2), expect)

@@ -105,15 +105,21 @@ class Engine(ABC):
             self._apply(lr_multiplier)
         return self.grads()
 
-    def commit(self, lr_multiplier: float, clip_coef: float | None = None) -> None:
+    def commit(
+        self, lr_multiplier: float, clip_coef: float | None = None, overflow: bool | None = None
+    ) -> None:
         """Keep the judged step: scale the gradients by ``clip_coef`` (clipping by a global
         norm the caller has), then optimizer step (LR times ``lr_multiplier`` for this step
-        only), scheduler step, zero grads. Nothing left to do for apply-then-judge."""
+        only), scheduler step, zero grads. Nothing left to do for apply-then-judge.
+
+        ``overflow``: the step's all-reduced verdict on its gradients (True: some rank's are
+        non-finite, a loss scaler skips the step), or None where the check did not judge
+        them (``detect.check_grads: false``): a loss scaler then decides by its own check."""
         if self.order is StepOrder.APPLY_THEN_JUDGE:
             return
         if clip_coef is not None:
             torch._foreach_mul_(self.grads(), clip_coef)
-        self._apply(lr_multiplier)
+        self._apply(lr_multiplier, overflow)
 
     def global_grad_norm(self, reduced_sq: float, world_size: int) -> float:
         """The global gradient norm from the all-reduced SUM of every rank's local norm^2."""
@@ -125,8 +131,10 @@ class Engine(ABC):
         rank's own and unscaled; elsewhere by its loss alone, and skip backward."""
         return self._rerun_grads_local and not self.has_loss_scaler
 
-    def can_rerun_fp32(self) -> bool:
-        """An fp32 copy of the model can re-run a step here (forensics)."""
+    def can_rerun_fp32(self, autocast: bool = False) -> bool:
+        """An fp32 re-run of a step means something here (forensics): the model holds
+        low-precision parameters, or the step ran under ``autocast`` (the loop body's own)."""
+        del autocast
         return False
 
     def part_keys(self, keys: list[str], holds_shared: bool) -> list[str]:
@@ -145,8 +153,9 @@ class Engine(ABC):
         """Write a NaN into one local gradient; False if there is none to write into."""
 
     @abstractmethod
-    def _apply(self, lr_multiplier: float) -> None:
-        """Optimizer step with the LR times ``lr_multiplier``, scheduler step, zero grads."""
+    def _apply(self, lr_multiplier: float, overflow: bool | None = None) -> None:
+        """Optimizer step with the LR times ``lr_multiplier``, scheduler step, zero grads;
+        ``overflow`` as :meth:`commit` has it (None in an apply-then-judge ``judge``)."""
 
     @abstractmethod
     def grads(self) -> list[torch.Tensor]:

@@ -140,7 +140,7 @@ class DeepSpeedEngine(Engine):
         # the LR from its own count or multiply the current one).
         self.inner.register_step_pre_hook(self._scale_lr)
         self.inner.register_step_post_hook(self._unscale_lr)
-        self._norm = 0.0
+        self._norm = torch.zeros((), device=ds.device)  # the last step's global norm
         self._applied = True
         self._poison: Any = None
         if self.stage3 and self.dp_rank == self.dp_size - 1:
@@ -232,7 +232,7 @@ class DeepSpeedEngine(Engine):
     def accumulate(self) -> None:
         self.ds.step()  # not a boundary: DeepSpeed only counts the micro-step
 
-    def _apply(self, lr_multiplier: float) -> None:
+    def _apply(self, lr_multiplier: float, overflow: bool | None = None) -> None:
         if not self.ds.is_gradient_accumulation_boundary():
             raise UsageError(
                 "the DeepSpeed engine is not at a gradient-accumulation boundary where the "
@@ -245,12 +245,20 @@ class DeepSpeedEngine(Engine):
             self._mult = 1.0
         norm = self.ds.get_global_grad_norm()
         self._applied = bool(self.ds.was_step_applied())
-        self._norm = float(norm) if norm is not None else 0.0
+        # Kept where DeepSpeed left it: a tensor on the device (the step's all-reduce reads
+        # it with the check's one host sync), or a number it already had on the host (inf
+        # on overflow), made a device tensor by a fill (no sync, no pageable H2D copy).
+        if isinstance(norm, torch.Tensor):
+            self._norm = norm.detach().float().reshape(())
+        else:
+            self._norm = torch.full((), 0.0 if norm is None else float(norm), device=self.ds.device)
 
     def grads(self) -> list[torch.Tensor]:
         # Skipped for overflow, non-finite, or DeepSpeed's negative "invalid norm" marker.
-        ok = self._applied and math.isfinite(self._norm) and self._norm >= 0
-        return [torch.tensor(self._norm if ok else math.inf)]
+        if not self._applied:
+            return [torch.full((), math.inf, device=self._norm.device)]
+        n = self._norm
+        return [torch.where(torch.isfinite(n) & (n >= 0), n, torch.full_like(n, math.inf))]
 
     def abandon(self) -> None:
         # DeepSpeed's step consumed the gradients, and isolation re-runs skip backward.

@@ -17,11 +17,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from orchestrator.engines.torch_native import TorchEngine
 from orchestrator.errors import UsageError
+from orchestrator.policy import Policy
 from orchestrator.rng import rng_state
 from orchestrator.snapshot import Snapshot
 
@@ -95,7 +97,7 @@ class FSDP2Engine(TorchEngine):
         self._unscale()
         return [_local(p.grad) for p in self._params() if p.grad is not None]
 
-    def can_rerun_fp32(self) -> bool:
+    def can_rerun_fp32(self, autocast: bool = False) -> bool:
         return False  # the sharded state's dtype is FSDP's business
 
     @contextlib.contextmanager
@@ -228,8 +230,25 @@ class FSDP1Engine(TorchEngine):
     _rerun_grads_local = False  # as for FSDP2: no_sync would leak unsharded grads
     rank_local_keys = FSDP2Engine.rank_local_keys
 
-    def can_rerun_fp32(self) -> bool:
+    def can_rerun_fp32(self, autocast: bool = False) -> bool:
         return False
+
+    def check_policy(self, policy: Policy) -> None:
+        # A plain GradScaler's found_inf is this rank's shard's alone (ShardedGradScaler
+        # all-reduces it; FSDP2's DTensor gradients reduce it too): the step is gated by
+        # the check's global flag instead (TorchEngine._scaler_step), which needs the
+        # gradients in the check.
+        if (
+            self.scaler is not None
+            and not isinstance(self.scaler, ShardedGradScaler)
+            and not policy.detect.check_grads
+        ):
+            raise UsageError(
+                "FSDP1 with a plain torch.amp.GradScaler and detect.check_grads: false: each "
+                "rank would skip overflowed steps by its own shard's gradients, and the ranks "
+                "diverge. Set detect.check_grads: true (the Guard then skips by the global "
+                "verdict), or use torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler"
+            )
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         return self.model.no_sync()  # type: ignore[operator]

@@ -75,9 +75,10 @@ class TorchEngine(Engine):
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def can_rerun_fp32(self) -> bool:
-        # Plain PyTorch or DDP with fp16/bf16 parameters (sharded engines own their dtype).
-        return low_precision(self.core)
+    def can_rerun_fp32(self, autocast: bool = False) -> bool:
+        # Plain PyTorch or DDP with fp16/bf16 parameters, or fp32 ones under the loop's
+        # autocast (sharded engines own their dtype).
+        return autocast or low_precision(self.core)
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self.micro_steps_per_step > 1:
@@ -112,7 +113,7 @@ class TorchEngine(Engine):
             self.scaler.unscale_(self.optimizer)
         self._unscaled = True
 
-    def _apply(self, lr_multiplier: float) -> None:
+    def _apply(self, lr_multiplier: float, overflow: bool | None = None) -> None:
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         if lr_multiplier != 1.0:
@@ -120,11 +121,13 @@ class TorchEngine(Engine):
                 g["lr"] = g["lr"] * lr_multiplier
         self._applying = True
         try:
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)  # skips the update on overflow
+            if self.scaler is None:
+                self.optimizer.step()
+            elif overflow is None:
+                self.scaler.step(self.optimizer)  # skips on its own (local) found_inf
                 self.scaler.update()
             else:
-                self.optimizer.step()
+                self._scaler_step(overflow)
         finally:
             self._applying = False
             for g, lr in zip(groups, saved, strict=True):
@@ -133,6 +136,26 @@ class TorchEngine(Engine):
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _scaler_step(self, overflow: bool) -> None:
+        """The GradScaler's step and update, gated by the check's all-reduced verdict.
+
+        ``scaler.step`` skips by this rank's own ``found_inf``: one ``.item()`` per step
+        (a host sync, besides the check's) with a non-fused optimizer, and under FSDP1,
+        whose gradients are local shards, a verdict of this rank's shard alone: one rank
+        skips while another steps, and their scales part ways. The check already
+        all-reduced whether any rank's gradients are non-finite; that flag becomes every
+        ``found_inf`` the update reads (filled on the device, no sync), and the optimizer
+        steps only when it says finite, identically on every rank."""
+        assert self.scaler is not None
+        self._unscale()  # judge did; clipping by hand may not have
+        state = self.scaler._per_optimizer_states[id(self.optimizer)]
+        for found_inf in state["found_inf_per_device"].values():
+            found_inf.fill_(1.0 if overflow else 0.0)
+        if not overflow:
+            # Gradients are unscaled already: a fused optimizer needs no grad_scale either.
+            self.optimizer.step()
+        self.scaler.update()
 
     def abandon(self) -> None:
         if self.scaler is not None and self._unscaled:
