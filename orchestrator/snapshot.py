@@ -75,8 +75,23 @@ class Snapshot:
             self.ready.synchronize()
             self.ready = None
 
+    def host(self, key: str, clone: bool = False) -> Any:
+        """The part ``key`` of the state with its tensors as the host buffers themselves
+        (``clone``: host copies of them), wherever the state lived. Restores copy out of
+        them into the live tensors (orchestrator/engines/inplace.py): no device copy of the
+        state is ever built. Without ``clone`` the tensors must not be kept or written."""
+        self.wait()
+
+        def get(leaf: Leaf) -> torch.Tensor:
+            buf = self.buffers[leaf.index]
+            return buf.clone() if clone else buf
+
+        return unflatten(self.skeleton[key], get)
+
     def materialize(self, key: str, clone: bool) -> Any:
-        """Rebuild the part ``key`` of the state with tensors on their original devices.
+        """Rebuild the part ``key`` of the state with tensors on their original devices
+        (for small parts only: on a GPU this is a second copy of them; restores of the
+        model and optimizer use :meth:`host`).
 
         ``clone=False`` may alias the host buffers: only for consumers that copy out of them
         (``Module.load_state_dict``). Anything that keeps the tensors, such as

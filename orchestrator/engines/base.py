@@ -177,6 +177,11 @@ class Engine(ABC):
         change them (BatchNorm's running statistics)."""
         return [], False
 
+    def forward_writes(self) -> list[torch.Tensor]:
+        """Snapshot tensors a forward writes in place (BatchNorm's running statistics, the
+        buffers DDP broadcasts): a snapshot taken before the forward copies them first."""
+        return list(self.core.buffers())
+
     def release(self) -> None:  # noqa: B027 (a hook with a default: nothing to release)
         """The run is closed: remove what the engine attached to the user's objects."""
 
