@@ -91,7 +91,8 @@ class StateKeeper:
         state["guard"] = {"step": step, **shared, "adjust": self.adjuster.state_dict()}
         if local is not None:
             state["data"] = local
-        snap = self.ring.capture(step, state, self._alike(state))
+        volatile = frozenset(t.data_ptr() for t in self.engine.forward_writes())
+        snap = self.ring.capture(step, state, self._alike(state), volatile)
         if snap is not None:
             snap.digest = self.digest()
         if snap is None:

@@ -5,9 +5,15 @@ preallocated host buffers, one per tensor, allocated on first use of a slot and 
 the state keeps its shape (it changes once, when a lazily initialized optimizer creates its
 state). Plain values are deep-copied; they are small (param groups, scheduler counters, RNG).
 
-On CUDA the buffers are pinned and the copies run on a side stream; ``fence()`` makes the
-compute stream wait for them before the next optimizer step mutates the parameters, so the
-copy overlaps the next forward/backward instead of stalling it.
+On CUDA the buffers are pinned and the copies run on a side stream of the state's own
+device; ``fence()`` makes the compute stream wait for them before the next optimizer step
+mutates the parameters, so the copy overlaps the next forward/backward instead of stalling
+it. Tensors the forward itself writes (module buffers) are copied first, and the compute
+stream waits for those few before the forward runs. Every source is kept alive until the
+fence.
+
+A restore copies back out of the host buffers into the live tensors
+(:meth:`Snapshot.host`, orchestrator/engines/inplace.py), never building a device copy.
 """
 
 from __future__ import annotations
@@ -69,11 +75,14 @@ class Snapshot:
     # step's check (None: not compared, e.g. sharded state).
     digest: torch.Tensor | None = None
     agreed: bool | None = None
+    device: torch.device | None = None  # the GPU its copies run from (None: host state)
+    sources: list[torch.Tensor] | None = None  # what its copies read, until they are fenced
 
     def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
             self.ready = None
+        self.sources = None
 
     def host(self, key: str, clone: bool = False) -> Any:
         """The part ``key`` of the state with its tensors as the host buffers themselves
@@ -139,16 +148,25 @@ class SnapshotRing:
         # Host buffers outlive the snapshots in them: a dropped snapshot frees its slot, and
         # the next capture into that slot reuses the allocation.
         self._buffers: list[list[torch.Tensor]] = [[] for _ in range(keep)]
-        self._stream: Any = None
+        self._streams: dict[torch.device, Any] = {}  # side stream per device
         self._alloc, self._on_drop = alloc, on_drop
 
     # --- capture --------------------------------------------------------------------------
     def capture(
-        self, step: int, state: dict[str, Any], alike: frozenset[str] = frozenset()
+        self,
+        step: int,
+        state: dict[str, Any],
+        alike: frozenset[str] = frozenset(),
+        volatile: frozenset[int] = frozenset(),
     ) -> Snapshot | None:
         """Copy ``state`` into a free slot: the oldest one that is neither the newest sealed
         nor being persisted. ``alike``: the top-level keys every rank holds alike (``alloc``
-        may keep them once per node). Returns None (nothing copied) when no slot is free."""
+        may keep them once per node). ``volatile``: the storage addresses (``data_ptr``) of
+        tensors the next forward writes in place (BatchNorm's running statistics, the
+        buffers DDP broadcasts): on a GPU they are copied first, and the compute stream
+        waits for those copies before anything queued after this call (the forward) runs;
+        the rest is not written before the next optimizer step, which :meth:`fence` orders.
+        Returns None (nothing copied) when no slot is free."""
         victim = self._victim()
         if victim is None:
             return None
@@ -167,30 +185,32 @@ class SnapshotRing:
                 reuse = []
             reuse, copies = self._alloc(victim, leaves, reuse, mask)
         buffers: list[torch.Tensor] = []
+        for i, src in enumerate(leaves):
+            dst = reuse[i] if i < len(reuse) else None
+            if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
+                dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
+            buffers.append(dst)
+        # The device is the state's own (never the current device: a rank that did not call
+        # torch.cuda.set_device would put the stream on device 0).
+        device = next((t.device for t in leaves if t.is_cuda), None)
+        stream = self._side_stream(device) if device is not None else None
+        first = [i for i, t in enumerate(leaves) if t.data_ptr() in volatile and t.numel()]
+        rest = [i for i, t in enumerate(leaves) if t.data_ptr() not in volatile or not t.numel()]
         copied = 0
-        on_cuda = any(t.is_cuda for t in leaves)
-        if on_cuda:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), _maybe_stream(self._stream if on_cuda else None):
-            for i, src in enumerate(leaves):
-                dst = reuse[i] if i < len(reuse) else None
-                if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
-                    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
-                part = copies[i] if copies is not None else None
-                if part is None:
-                    dst.copy_(src.detach(), non_blocking=src.is_cuda)
-                    copied += dst.numel() * dst.element_size()
-                elif part[1] > part[0]:  # this rank's share of a tensor kept once per node
-                    a, b = part
-                    dst.view(-1)[a:b].copy_(src.detach().reshape(-1)[a:b], non_blocking=src.is_cuda)
-                    copied += (b - a) * dst.element_size()
-                buffers.append(dst)
+        with torch.no_grad(), _maybe_stream(stream):
+            for i in first:
+                copied += _copy(buffers[i], leaves[i], copies[i] if copies is not None else None)
+            if stream is not None and first:
+                # The forward writes these in place: it runs after their copies.
+                written = torch.cuda.Event()
+                written.record(stream)
+                torch.cuda.current_stream(device).wait_event(written)
+            for i in rest:
+                copied += _copy(buffers[i], leaves[i], copies[i] if copies is not None else None)
         ready = None
-        if on_cuda:
+        if stream is not None:
             ready = torch.cuda.Event()
-            ready.record(self._stream)
+            ready.record(stream)
         snap = Snapshot(
             step=step,
             skeleton=skeleton,
@@ -199,16 +219,29 @@ class SnapshotRing:
             copied=copied,
             ready=ready,
             slot=victim,
+            device=device,
+            # The sources stay alive until the compute stream waits for their copies (the
+            # fence): freed earlier, their memory could be reused while still being read.
+            sources=leaves if ready is not None else None,
         )
         self._buffers[victim] = buffers
         self.slots[victim] = snap
         return snap
 
+    def _side_stream(self, device: torch.device) -> Any:
+        """The side stream of ``device``, after the work queued on its compute stream."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
+
     def fence(self) -> None:
         """Make the compute stream wait for in-flight copies. Call before mutating state."""
         for s in self.slots:
             if s is not None and s.ready is not None:
-                torch.cuda.current_stream().wait_event(s.ready)
+                torch.cuda.current_stream(s.device).wait_event(s.ready)
+                s.sources = None
 
     def _victim(self) -> int | None:
         free = [i for i, s in enumerate(self.slots) if s is None]
@@ -281,6 +314,19 @@ class SnapshotRing:
         if old_enough:
             return old_enough[-1], True
         return (sealed[0], False) if sealed else (None, False)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, part: tuple[int, int] | None) -> int:
+    """Copy ``src`` (or the elements ``part`` of its flattened view) into ``dst``; the bytes
+    copied."""
+    if part is None:
+        dst.copy_(src.detach(), non_blocking=src.is_cuda)
+        return dst.numel() * dst.element_size()
+    a, b = part
+    if b <= a:
+        return 0
+    dst.view(-1)[a:b].copy_(src.detach().reshape(-1)[a:b], non_blocking=src.is_cuda)
+    return (b - a) * dst.element_size()
 
 
 class _maybe_stream:

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from conftest import REPO, free_port, run
+from inproc import Regression
+from orchestrator import Guard, parse_policy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -47,3 +52,40 @@ def test_a_rollback_adds_far_less_than_a_copy_of_the_state() -> None:
     assert peak["state_bytes"] >= 192 * 2**20
     assert peak["added_bytes"] < peak["state_bytes"] // 20, peak
 
+
+def test_a_snapshot_of_batchnorm_statistics_is_the_state_before_the_forward(
+    tmp_path: Path,
+) -> None:
+    """The snapshot of each step is taken before the step's forward, which writes the
+    running statistics in place: what the ring holds of them equals a synchronous copy
+    taken right before that forward (on a GPU the forward waits for their copy; on CPU
+    the same code path copies them first, synchronously)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    policy = {"snapshot": {"every_steps": 1, "keep": 4}, "persist": {"enabled": False}}
+    guard = Guard(parse_policy(policy), model=model, optimizer=opt, run_dir=str(tmp_path))
+    bn = model[1]
+    assert isinstance(bn, nn.BatchNorm1d)
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+
+    def before_forward(*_: object) -> None:
+        seen.setdefault(guard.global_step, {k: v.clone() for k, v in bn.state_dict().items()})
+
+    model.register_forward_pre_hook(before_forward)
+    loader = guard.dataloader(Regression(), batch_size=8, seed=1)
+    checked = 0
+    for x, y in guard.batches(loader, max_steps=6):
+        loss = nn.functional.mse_loss(model(x).squeeze(-1), y)
+        guard.backward(loss)
+        guard.step(loss)
+        step = guard.global_step - 1
+        snap = guard.ring.at(step)
+        assert snap is not None
+        saved = snap.host("model")
+        for k, v in seen[step].items():
+            assert torch.equal(saved[f"1.{k}"], v), (step, k)
+        assert not torch.equal(saved["1.running_mean"], bn.running_mean), "the forward ran"
+        checked += 1
+    guard.close()
+    assert checked == 6
