@@ -146,6 +146,7 @@ class Guard:
                 p.snapshot.keep,
                 alloc=self.shm.alloc if self.shm else None,
                 on_drop=self.shm.drop if self.shm else None,
+                reserve_bytes=0 if self.shm else self.engine.estimate_state_bytes(),
             )
             self.adjuster = LRAdjuster(p.adjust)
             self.faults = FaultInjector(p.faults, comm.global_rank, self.run_dir, self.journal)

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from orchestrator.pinned import register, unregister
+
 
 @dataclass(frozen=True)
 class Leaf:
@@ -139,7 +141,11 @@ class SnapshotRing:
     (a writer on another rank may still read them), whatever this rank's writer says."""
 
     def __init__(
-        self, keep: int, alloc: Alloc | None = None, on_drop: Callable[[int], None] | None = None
+        self,
+        keep: int,
+        alloc: Alloc | None = None,
+        on_drop: Callable[[int], None] | None = None,
+        reserve_bytes: int = 0,
     ) -> None:
         if keep < 2:
             raise ValueError("the ring needs at least 2 slots: the newest may not be sealed yet")
@@ -148,6 +154,13 @@ class SnapshotRing:
         # Host buffers outlive the snapshots in them: a dropped snapshot frees its slot, and
         # the next capture into that slot reuses the allocation.
         self._buffers: list[list[torch.Tensor]] = [[] for _ in range(keep)]
+        # Without ``alloc``: one arena per slot (page-locked at its exact size where the
+        # state is on a GPU, orchestrator/pinned.py), the buffers views of it. Every slot's
+        # is made at the first capture (before training), at least ``reserve_bytes`` (the
+        # engine's estimate, lazily created optimizer state included), so no later capture
+        # allocates on the training thread unless the state outgrows it.
+        self._arenas: list[torch.Tensor | None] = [None] * keep
+        self._reserve = reserve_bytes + reserve_bytes // 64 + (1 << 20) if reserve_bytes else 0
         self._streams: dict[torch.device, Any] = {}  # side stream per device
         self._alloc, self._on_drop = alloc, on_drop
 
@@ -184,12 +197,9 @@ class SnapshotRing:
             if prev is not None and prev.persisted:
                 reuse = []
             reuse, copies = self._alloc(victim, leaves, reuse, mask)
-        buffers: list[torch.Tensor] = []
-        for i, src in enumerate(leaves):
-            dst = reuse[i] if i < len(reuse) else None
-            if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
-                dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
-            buffers.append(dst)
+            buffers = list(reuse)
+        else:
+            buffers = self._own(victim, leaves)
         # The device is the state's own (never the current device: a rank that did not call
         # torch.cuda.set_device would put the stream on device 0).
         device = next((t.device for t in leaves if t.is_cuda), None)
@@ -227,6 +237,48 @@ class SnapshotRing:
         self._buffers[victim] = buffers
         self.slots[victim] = snap
         return snap
+
+    def _own(self, slot: int, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host buffers for ``leaves`` in ``slot``: its last ones while the shapes hold,
+        else views of its arena (a new one only when the state outgrew it)."""
+        old = self._buffers[slot]
+        if len(old) == len(leaves) and all(
+            b.shape == t.shape and b.dtype == t.dtype for b, t in zip(old, leaves, strict=True)
+        ):
+            return old
+        sizes = [_aligned(t.numel() * t.element_size()) for t in leaves]
+        need = sum(sizes)
+        pin = any(t.is_cuda for t in leaves)
+        if all(a is None for a in self._arenas):  # the first capture: every slot's at once
+            for i in range(self.keep):
+                self._arenas[i] = _arena(max(need, self._reserve), pin)
+        arena = self._arenas[slot]
+        if arena is None or arena.numel() < need:
+            prev = self.slots[slot]
+            if prev is not None:
+                prev.wait()  # no copy into the old arena in flight when it is unlocked
+            self._drop_arena(slot)
+            arena = self._arenas[slot] = _arena(max(need, self._reserve), pin)
+        out, at = [], 0
+        for t, n in zip(leaves, sizes, strict=True):
+            nbytes = t.numel() * t.element_size()
+            out.append(arena[at : at + nbytes].view(t.dtype).view(t.shape))
+            at += n
+        return out
+
+    def _drop_arena(self, slot: int) -> None:
+        """Let ``slot``'s arena go (a reader may still hold views of it: host reads stay
+        valid; the copies into it have landed: its snapshot was waited for)."""
+        unregister(self._arenas[slot])
+        self._arenas[slot] = None
+
+    def close(self) -> None:
+        """Unlock the ring's page-locked memory (the run is over)."""
+        for s in self.slots:
+            if s is not None:
+                s.wait()
+        for i in range(self.keep):
+            self._drop_arena(i)
 
     def _side_stream(self, device: torch.device) -> Any:
         """The side stream of ``device``, after the work queued on its compute stream."""
@@ -282,6 +334,7 @@ class SnapshotRing:
             self._on_drop(i)
         if s.held or (s.persisted and self._alloc is not None):
             self._buffers[i] = []  # a persist thread may read them: new ones
+            self._drop_arena(i)
 
     def seal_through(self, committed_step: int, seal_after_steps: int) -> list[Snapshot]:
         """Seal snapshots whose ``seal_after_steps`` steps are all committed now."""
@@ -314,6 +367,22 @@ class SnapshotRing:
         if old_enough:
             return old_enough[-1], True
         return (sealed[0], False) if sealed else (None, False)
+
+
+ALIGN = 64  # every buffer in an arena starts on a cache line (and any dtype's alignment)
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _arena(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of host memory, page-locked at exactly that size with ``pin``: torch's
+    pinned allocator would round it up to a power of two (up to twice the budget)."""
+    arena = torch.empty(max(nbytes, ALIGN), dtype=torch.uint8)
+    if pin:
+        register(arena)
+    return arena
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, part: tuple[int, int] | None) -> int:

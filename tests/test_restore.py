@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from inproc import Regression
 from torch import nn
 
 from conftest import REPO, free_port, run
-from inproc import Regression
 from orchestrator import Guard, parse_policy
+from orchestrator.errors import PolicyError
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -89,3 +90,49 @@ def test_a_snapshot_of_batchnorm_statistics_is_the_state_before_the_forward(
         checked += 1
     guard.close()
     assert checked == 6
+
+
+@pytest.mark.parametrize("var", ["LOCAL_WORLD_SIZE", "LOCAL_SIZE"])
+def test_the_ring_budget_counts_the_ranks_of_either_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, var: str
+) -> None:
+    """torchrun says LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE: either way the
+    host-memory check counts 8 ranks on the node, not 1."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    model = nn.Linear(1024, 1024)  # 4 MiB of parameters, 12 MiB with Adam's state
+    policy = parse_policy({"snapshot": {"keep": 2, "max_host_memory_gb": 0.1}})
+    guard = Guard(policy, model=model, optimizer=torch.optim.Adam(model.parameters()),
+                  run_dir=str(tmp_path / "one"))  # fmt: skip
+    guard.close()  # one rank: 24 MiB fit in 0.1 GiB
+    monkeypatch.setenv(var, "8")
+    with pytest.raises(PolicyError, match=r"8 local rank\(s\) x 2 slots"):
+        Guard(policy, model=model, optimizer=torch.optim.Adam(model.parameters()),
+              run_dir=str(tmp_path / "eight"))  # fmt: skip
+
+
+def test_ring_slots_are_made_before_training_at_their_reserved_size() -> None:
+    """Every slot's host memory is made at the first capture (before training), sized for
+    the engine's estimate: the optimizer state the first step creates lands in it, so no
+    later capture allocates on the training thread."""
+    from orchestrator.engines import engine_for
+    from orchestrator.snapshot import SnapshotRing
+
+    model = nn.Linear(64, 64)
+    engine = engine_for(model, torch.optim.Adam(model.parameters()), None, None, None)
+    ring = SnapshotRing(3, reserve_bytes=engine.estimate_state_bytes())
+
+    def storages() -> set[int]:
+        return {b.untyped_storage().data_ptr() for s in ring.snapshots() for b in s.buffers}
+
+    first = ring.capture(0, engine.state())
+    assert first is not None and len(storages()) == 1  # one arena per slot
+    made = {a.data_ptr() for a in ring._arenas if a is not None}
+    assert len(made) == 3  # every slot's, at the first capture
+    first.sealed = True
+    model(torch.randn(4, 64)).sum().backward()
+    engine.commit(1.0)  # Adam creates its state: the snapshot grows three times
+    for step in (1, 2, 3, 4):
+        assert ring.capture(step, engine.state()) is not None
+        ring.seal_through(step, 1)
+    assert storages() == made  # the grown state fit in the slots made before training
