@@ -194,8 +194,10 @@ class SnapshotRing:
         copies: list[tuple[int, int] | None] | None = None
         if self._alloc is not None:
             prev = self.slots[victim]
-            if prev is not None and prev.persisted:
-                reuse = []
+            if prev is not None:
+                prev.wait()  # alloc may replace (and unlock) the memory it was copied into
+                if prev.persisted:
+                    reuse = []
             reuse, copies = self._alloc(victim, leaves, reuse, mask)
             buffers = list(reuse)
         else:
