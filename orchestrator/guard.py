@@ -134,6 +134,7 @@ class Guard:
         self.engine: Engine = engine_for(
             model, optimizer, scheduler, scaler, engine, grad_accum_steps
         )
+        comm.device = self.engine.state_device()
         try:
             self.engine.check_policy(p)
             self.run_dir = resolve_run_dir(comm, run_dir, fresh, p)

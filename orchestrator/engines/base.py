@@ -177,6 +177,15 @@ class Engine(ABC):
         change them (BatchNorm's running statistics)."""
         return [], False
 
+    def state_device(self) -> torch.device | None:
+        """The GPU this rank's model lives on, from its tensors (None: on the host, or
+        offloaded there): never torch.cuda.current_device(), which a script that does not
+        call torch.cuda.set_device leaves at cuda:0 on every rank."""
+        for t in (*self.core.parameters(), *self.core.buffers()):
+            if t.is_cuda:
+                return t.device
+        return None
+
     def forward_writes(self) -> list[torch.Tensor]:
         """Snapshot tensors a forward writes in place (BatchNorm's running statistics, the
         buffers DDP broadcasts): a snapshot taken before the forward copies them first."""
