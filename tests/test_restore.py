@@ -136,3 +136,31 @@ def test_ring_slots_are_made_before_training_at_their_reserved_size() -> None:
         assert ring.capture(step, engine.state()) is not None
         ring.seal_through(step, 1)
     assert storages() == made  # the grown state fit in the slots made before training
+
+
+def test_a_tensor_lr_is_restored_into_its_tensor_never_aliasing_the_snapshot() -> None:
+    """Schedulers fill_ a tensor LR in place: restored, it is the optimizer's own tensor
+    again, holding the snapshot's value, and the snapshot stays as it was."""
+    from orchestrator.engines import engine_for
+    from orchestrator.snapshot import SnapshotRing
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    engine = engine_for(model, opt, sched, None, None)
+
+    def step() -> None:
+        model(torch.randn(8, 4)).sum().backward()
+        engine.commit(1.0)
+
+    step()
+    lr = opt.param_groups[0]["lr"]
+    snap = SnapshotRing(2).capture(1, engine.state())
+    assert snap is not None
+    kept = [b.clone() for b in snap.buffers]
+    step()
+    engine.restore(snap, 1.0)
+    assert opt.param_groups[0]["lr"] is lr and torch.equal(lr, torch.tensor(0.05))
+    step()
+    step()
+    assert all(torch.equal(a, b) for a, b in zip(kept, snap.buffers, strict=True))

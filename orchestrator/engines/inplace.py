@@ -112,7 +112,16 @@ def copy_optimizer(
             else:
                 have[k] = v
     for group, saved_group in zip(groups, saved["param_groups"], strict=True):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})  # LR & co.
+        for k, v in saved_group.items():  # LR & co.
+            if k == "params":
+                continue
+            if isinstance(v, torch.Tensor):  # a tensor LR, which schedulers fill_ in place
+                now = group.get(k)
+                if isinstance(now, torch.Tensor) and now.shape == v.shape:
+                    copier.copy(now, v, f"param group value {k!r}")
+                    continue
+                v = v.clone()  # never the host buffer itself
+            group[k] = v
     return sorted(set(live) - set(state))
 
 
