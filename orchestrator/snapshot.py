@@ -1,9 +1,10 @@
 """In-memory snapshot ring: each rank copies its own state into reused host buffers.
 
 A snapshot is a nested state (dicts, lists, tensors, plain values). Tensors are copied into
-preallocated host buffers, one per tensor, allocated on first use of a slot and reused while
-the state keeps its shape (it changes once, when a lazily initialized optimizer creates its
-state). Plain values are deep-copied; they are small (param groups, scheduler counters, RNG).
+host buffers, one per tensor: views of one arena per slot, every slot's made at the first
+capture and sized for the state's estimate (a lazily initialized optimizer creates its state
+at the first step: it fits), reused while the state keeps its shape. Plain values are
+deep-copied; they are small (param groups, scheduler counters, RNG).
 
 On CUDA the buffers are pinned and the copies run on a side stream of the state's own
 device; ``fence()`` makes the compute stream wait for them before the next optimizer step
@@ -205,6 +206,7 @@ class SnapshotRing:
         # The device is the state's own (never the current device: a rank that did not call
         # torch.cuda.set_device would put the stream on device 0).
         device = next((t.device for t in leaves if t.is_cuda), None)
+        compute = torch.cuda.current_stream(device) if device is not None else None
         stream = self._side_stream(device) if device is not None else None
         first = [i for i, t in enumerate(leaves) if t.data_ptr() in volatile and t.numel()]
         rest = [i for i, t in enumerate(leaves) if t.data_ptr() not in volatile or not t.numel()]
@@ -212,11 +214,12 @@ class SnapshotRing:
         with torch.no_grad(), _maybe_stream(stream):
             for i in first:
                 copied += _copy(buffers[i], leaves[i], copies[i] if copies is not None else None)
-            if stream is not None and first:
-                # The forward writes these in place: it runs after their copies.
+            if compute is not None and first:
+                # The forward writes these in place: it runs after their copies. (The
+                # compute stream was taken before the side stream became the current one.)
                 written = torch.cuda.Event()
                 written.record(stream)
-                torch.cuda.current_stream(device).wait_event(written)
+                compute.wait_event(written)
             for i in rest:
                 copied += _copy(buffers[i], leaves[i], copies[i] if copies is not None else None)
         ready = None
