@@ -384,7 +384,7 @@ def _aligned(n: int) -> int:
 def _arena(nbytes: int, pin: bool) -> torch.Tensor:
     """``nbytes`` of host memory, page-locked at exactly that size with ``pin``: torch's
     pinned allocator would round it up to a power of two (up to twice the budget)."""
-    arena = torch.empty(max(nbytes, ALIGN), dtype=torch.uint8)
+    arena = torch.empty(_aligned(max(nbytes, 1)), dtype=torch.uint8)
     if pin:
         register(arena)
     return arena
