@@ -56,6 +56,7 @@ from orchestrator.quarantine import Ledger, held_back
 from orchestrator.recovery import Recovery
 from orchestrator.rundir import archive_run_dir, write_policy
 from orchestrator.shm import ShmSlots
+from orchestrator.snapshot import slot_bytes
 
 
 def resolve_run_dir(comm: Comm, run_dir: str | None, fresh: bool, policy: Policy) -> str:
@@ -175,6 +176,8 @@ def check_memory(policy: Policy, comm: Comm, engine: Engine, shm_root: str | Non
     snap = policy.snapshot
     local_ranks = local_world_size()
     per_rank = engine.estimate_state_bytes()
+    if shm_root is None:
+        per_rank = slot_bytes(per_rank)  # the size of each private slot's arena, exactly
     # In shared memory, state every rank holds alike is kept once per node.
     copies = 1 if shm_root is not None and engine.state_replicated else local_ranks
     need = per_rank * snap.keep * copies

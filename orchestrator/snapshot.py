@@ -161,7 +161,7 @@ class SnapshotRing:
         # engine's estimate, lazily created optimizer state included), so no later capture
         # allocates on the training thread unless the state outgrows it.
         self._arenas: list[torch.Tensor | None] = [None] * keep
-        self._reserve = reserve_bytes + reserve_bytes // 64 + (1 << 20) if reserve_bytes else 0
+        self._reserve = slot_bytes(reserve_bytes) if reserve_bytes else 0
         self._streams: dict[torch.device, Any] = {}  # side stream per device
         self._alloc, self._on_drop = alloc, on_drop
 
@@ -379,6 +379,13 @@ ALIGN = 64  # every buffer in an arena starts on a cache line (and any dtype's a
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def slot_bytes(estimate: int) -> int:
+    """The bytes of one private ring slot for a state estimated at ``estimate`` bytes: room
+    for each tensor's alignment and the small values the Guard adds (what the host-memory
+    check budgets, exactly)."""
+    return _aligned(estimate + estimate // 64 + (1 << 20))
 
 
 def _arena(nbytes: int, pin: bool) -> torch.Tensor:

@@ -116,7 +116,7 @@ def test_ring_slots_are_made_before_training_at_their_reserved_size() -> None:
     the engine's estimate: the optimizer state the first step creates lands in it, so no
     later capture allocates on the training thread."""
     from orchestrator.engines import engine_for
-    from orchestrator.snapshot import SnapshotRing
+    from orchestrator.snapshot import SnapshotRing, slot_bytes
 
     model = nn.Linear(64, 64)
     engine = engine_for(model, torch.optim.Adam(model.parameters()), None, None, None)
@@ -129,6 +129,9 @@ def test_ring_slots_are_made_before_training_at_their_reserved_size() -> None:
     assert first is not None and len(storages()) == 1  # one arena per slot
     made = {a.data_ptr() for a in ring._arenas if a is not None}
     assert len(made) == 3  # every slot's, at the first capture
+    # at the size the host-memory check budgets (no rounding up to a power of two)
+    budget = slot_bytes(engine.estimate_state_bytes())
+    assert all(a is not None and a.numel() == budget for a in ring._arenas)
     first.sealed = True
     model(torch.randn(4, 64)).sum().backward()
     engine.commit(1.0)  # Adam creates its state: the snapshot grows three times
