@@ -28,6 +28,10 @@ class Comm:
         self.rank = dist.get_rank(self.group) if self.enabled else 0
         self.world_size = dist.get_world_size(self.group) if self.enabled else 1
         self.global_rank = dist.get_rank() if self.enabled else 0
+        #: The GPU this rank's state lives on (the Guard sets it from the model's tensors):
+        #: NCCL collectives run there, whatever torch.cuda.current_device() says (cuda:0 on
+        #: a rank that never called torch.cuda.set_device).
+        self.device: torch.device | None = None
 
     def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
         """In-place SUM over the group: the one collective of a healthy step."""
@@ -62,6 +66,8 @@ class Comm:
     def _device(self) -> torch.device:
         # NCCL only moves CUDA tensors; gloo only CPU ones.
         if self.enabled and dist.get_backend(self.group) == "nccl":
+            if self.device is not None and self.device.type == "cuda":
+                return self.device
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 

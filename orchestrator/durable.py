@@ -174,11 +174,12 @@ class DurableTier:
             self.held = None
         self.busy = False
         snap = capture()
+        if snap is not None:
+            snap.wait()  # its copies landed (a page-locked node part: asynchronous ones)
         if together and self.comm.all_reduce_max(0 if snap is not None else 1):
             return False  # (after every rank's share of the node part is copied)
         if snap is None:
             return False
-        snap.wait()
         snap.sealed = True  # its own step is not run: finiteness is checked on load instead
         self.requested = True
         self.on_sealed(snap, rollbacks)

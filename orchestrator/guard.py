@@ -134,6 +134,7 @@ class Guard:
         self.engine: Engine = engine_for(
             model, optimizer, scheduler, scaler, engine, grad_accum_steps
         )
+        comm.device = self.engine.state_device()
         try:
             self.engine.check_policy(p)
             self.run_dir = resolve_run_dir(comm, run_dir, fresh, p)
@@ -146,6 +147,7 @@ class Guard:
                 p.snapshot.keep,
                 alloc=self.shm.alloc if self.shm else None,
                 on_drop=self.shm.drop if self.shm else None,
+                reserve_bytes=0 if self.shm else self.engine.estimate_state_bytes(),
             )
             self.adjuster = LRAdjuster(p.adjust)
             self.faults = FaultInjector(p.faults, comm.global_rank, self.run_dir, self.journal)

@@ -48,8 +48,12 @@ class StateKeeper:
         self.durable, self.cursor, self.adjuster = durable, cursor, adjuster
         self.heartbeat, self.decide, self.shm = heartbeat, decide, shm
         # Snapshots keep what every rank holds alike once per node, each rank copying its
-        # share: nobody may read the whole before every rank has copied (the step's
-        # all-reduce orders that in training; resume and persist_now order it themselves).
+        # share: nobody may read the whole before every rank has copied. In training the
+        # step's all-reduce orders that: it is queued after the fence, so on a GPU no rank's
+        # contribution leaves before its asynchronous copies into the (page-locked) node
+        # part have landed, and every rank's host waits for the all-reduce. Resume copies
+        # from the host (synchronous); persist_now waits for its own copies before its
+        # all-reduce.
         self._shares_node = shm is not None and len(shm.node_ranks or []) > 1
         self.stalls: collections.deque[float] = collections.deque(maxlen=20)  # recent, seconds
 
@@ -91,7 +95,8 @@ class StateKeeper:
         state["guard"] = {"step": step, **shared, "adjust": self.adjuster.state_dict()}
         if local is not None:
             state["data"] = local
-        snap = self.ring.capture(step, state, self._alike(state))
+        volatile = frozenset(t.data_ptr() for t in self.engine.forward_writes())
+        snap = self.ring.capture(step, state, self._alike(state), volatile)
         if snap is not None:
             snap.digest = self.digest()
         if snap is None:

@@ -61,6 +61,7 @@ from orchestrator.quarantine import Ledger, held_back
 from orchestrator.recovery import Recovery
 from orchestrator.rundir import archive_run_dir, write_policy
 from orchestrator.shm import ShmSlots
+from orchestrator.snapshot import slot_bytes
 
 
 def resolve_run_dir(comm: Comm, run_dir: str | None, fresh: bool, policy: Policy) -> str:
@@ -178,8 +179,10 @@ def check_memory(policy: Policy, comm: Comm, engine: Engine, shm_root: str | Non
         PolicyError: with what the ring needs and what to change.
     """
     snap = policy.snapshot
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_ranks = local_world_size()
     per_rank = engine.estimate_state_bytes()
+    if shm_root is None:
+        per_rank = slot_bytes(per_rank)  # the size of each private slot's arena, exactly
     # In shared memory, state every rank holds alike is kept once per node.
     copies = 1 if shm_root is not None and engine.state_replicated else local_ranks
     need = per_rank * snap.keep * copies
@@ -216,6 +219,17 @@ def check_memory(policy: Policy, comm: Comm, engine: Engine, shm_root: str | Non
     problems = [p for p in comm.all_gather_object((problem, remedy)) if p[0]]
     if problems:
         raise PolicyError(f"{problems[0][0]}: {problems[0][1]}")
+
+
+def local_world_size() -> int:
+    """Ranks on this node: torchrun says LOCAL_WORLD_SIZE, the deepspeed launcher
+    LOCAL_SIZE (one process per node, as a 1, would budget the ring 8x low under
+    ``deepspeed --num_gpus 8``)."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        value = os.environ.get(name)
+        if value:
+            return int(value)
+    return 1
 
 
 def _free_for(root: str) -> int:
@@ -515,6 +529,7 @@ class Lifecycle:
             )
         if self.keeper.shm is not None:  # without a supervisor, nobody else removes it
             self.keeper.shm.close(remove=ENV_SHM_DIR not in os.environ)
+        self.keeper.ring.close()
         self.metrics.flush()
         if self.health is not None:
             self.health.close(abort=on_exit or ending_on_error())

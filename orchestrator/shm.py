@@ -47,6 +47,7 @@ import torch
 from orchestrator.codec import decode, dtype_of, encode
 from orchestrator.engines.native import load_native
 from orchestrator.errors import PersistError
+from orchestrator.pinned import register, unregister
 from orchestrator.rundir import write_atomic, write_bytes
 from orchestrator.shm_index import agreeable, node_refusal, verdicts
 from orchestrator.snapshot import Leaf, Snapshot, unflatten
@@ -188,19 +189,21 @@ class ShmSlots:
         if own_fits and node_fits:  # the steady state: nothing to allocate or map
             return reuse, self._copies[slot]
         own_at, node_at = self._offsets[slot]
+        pin = any(t.is_cuda for t in leaves)  # copies from a GPU: page-lock the mapping
         if not own_fits:
             own_at = self._new_file(
-                slot, [t for t, n in zip(leaves, in_node, strict=True) if not n]
+                slot, [t for t, n in zip(leaves, in_node, strict=True) if not n], pin=pin
             )
         if shared and not node_fits:
             alike_leaves = [t for t, n in zip(leaves, in_node, strict=True) if n]
-            node_at = self._new_file(slot, alike_leaves, node=True)
+            node_at = self._new_file(slot, alike_leaves, node=True, pin=pin)
             self._share[slot], cut = self._cut(alike_leaves, node_at)
             it = iter(cut)
             self._copies[slot] = [next(it) if n else None for n in in_node]
         elif not shared:
             if self._node_files[slot] is not None:  # it had a node part: no longer
                 _unlink(str(self._node_files[slot]))
+            unregister(self._node_maps[slot])
             self._node_maps[slot] = self._node_files[slot] = None
             self._share[slot], self._copies[slot] = [], None
         self._in_node[slot], self._offsets[slot] = in_node, (own_at, node_at)
@@ -238,11 +241,15 @@ class ShmSlots:
             at += n
         return segments, copies
 
-    def _new_file(self, slot: int, tensors: list[torch.Tensor], node: bool = False) -> list[int]:
+    def _new_file(
+        self, slot: int, tensors: list[torch.Tensor], node: bool = False, pin: bool = False
+    ) -> list[int]:
         """A new file for ``slot``'s tensors (this rank's own, or the node part: created by
-        the first of the node's ranks to get here, opened by the others), mapped shared;
-        returns each tensor's offset in it. The file it replaces is unlinked: a mapping of it (a
-        persisting reader's) lives on until dropped."""
+        the first of the node's ranks to get here, opened by the others), mapped shared and,
+        with ``pin``, page-locked (orchestrator/pinned.py: a copy from a GPU into pageable
+        memory is synchronous and staged); returns each tensor's offset in it. The file it
+        replaces is unlinked: a mapping of it (a persisting reader's) lives on until
+        dropped, unlocked (nothing copies into it any more)."""
         offsets, total = [], 0
         for t in tensors:
             offsets.append(total)
@@ -300,7 +307,11 @@ class ShmSlots:
             # Removed between creating and mapping it: the ring was taken away under this
             # rank (orchestrator/lifeline.py), as _mkdir reports it.
             raise self._removed(path) from err
-        (self._node_maps if node else self._maps)[slot] = mapped
+        maps = self._node_maps if node else self._maps
+        unregister(maps[slot])
+        if pin:
+            register(mapped)
+        maps[slot] = mapped
         files[slot] = path
         if old is not None:
             _unlink(old)
@@ -507,6 +518,8 @@ class ShmSlots:
 
     def close(self, remove: bool) -> None:
         self.join()
+        for mapped in (*self._maps, *self._node_maps):
+            unregister(mapped)
         self._maps = [None] * self.keep
         self._node_maps = [None] * self.keep
         if remove:

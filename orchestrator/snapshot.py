@@ -1,13 +1,20 @@
 """In-memory snapshot ring: each rank copies its own state into reused host buffers.
 
 A snapshot is a nested state (dicts, lists, tensors, plain values). Tensors are copied into
-preallocated host buffers, one per tensor, allocated on first use of a slot and reused while
-the state keeps its shape (it changes once, when a lazily initialized optimizer creates its
-state). Plain values are deep-copied; they are small (param groups, scheduler counters, RNG).
+host buffers, one per tensor: views of one arena per slot, every slot's made at the first
+capture and sized for the state's estimate (a lazily initialized optimizer creates its state
+at the first step: it fits), reused while the state keeps its shape. Plain values are
+deep-copied; they are small (param groups, scheduler counters, RNG).
 
-On CUDA the buffers are pinned and the copies run on a side stream; ``fence()`` makes the
-compute stream wait for them before the next optimizer step mutates the parameters, so the
-copy overlaps the next forward/backward instead of stalling it.
+On CUDA the buffers are pinned and the copies run on a side stream of the state's own
+device; ``fence()`` makes the compute stream wait for them before the next optimizer step
+mutates the parameters, so the copy overlaps the next forward/backward instead of stalling
+it. Tensors the forward itself writes (module buffers) are copied first, and the compute
+stream waits for those few before the forward runs. Every source is kept alive until the
+fence.
+
+A restore copies back out of the host buffers into the live tensors
+(:meth:`Snapshot.host`, orchestrator/engines/inplace.py), never building a device copy.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from orchestrator.pinned import register, unregister
 
 
 @dataclass(frozen=True)
@@ -69,14 +78,32 @@ class Snapshot:
     # step's check (None: not compared, e.g. sharded state).
     digest: torch.Tensor | None = None
     agreed: bool | None = None
+    device: torch.device | None = None  # the GPU its copies run from (None: host state)
+    sources: list[torch.Tensor] | None = None  # what its copies read, until they are fenced
 
     def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
             self.ready = None
+        self.sources = None
+
+    def host(self, key: str, clone: bool = False) -> Any:
+        """The part ``key`` of the state with its tensors as the host buffers themselves
+        (``clone``: host copies of them), wherever the state lived. Restores copy out of
+        them into the live tensors (orchestrator/engines/inplace.py): no device copy of the
+        state is ever built. Without ``clone`` the tensors must not be kept or written."""
+        self.wait()
+
+        def get(leaf: Leaf) -> torch.Tensor:
+            buf = self.buffers[leaf.index]
+            return buf.clone() if clone else buf
+
+        return unflatten(self.skeleton[key], get)
 
     def materialize(self, key: str, clone: bool) -> Any:
-        """Rebuild the part ``key`` of the state with tensors on their original devices.
+        """Rebuild the part ``key`` of the state with tensors on their original devices
+        (for small parts only: on a GPU this is a second copy of them; restores of the
+        model and optimizer use :meth:`host`).
 
         ``clone=False`` may alias the host buffers: only for consumers that copy out of them
         (``Module.load_state_dict``). Anything that keeps the tensors, such as
@@ -115,7 +142,11 @@ class SnapshotRing:
     (a writer on another rank may still read them), whatever this rank's writer says."""
 
     def __init__(
-        self, keep: int, alloc: Alloc | None = None, on_drop: Callable[[int], None] | None = None
+        self,
+        keep: int,
+        alloc: Alloc | None = None,
+        on_drop: Callable[[int], None] | None = None,
+        reserve_bytes: int = 0,
     ) -> None:
         if keep < 2:
             raise ValueError("the ring needs at least 2 slots: the newest may not be sealed yet")
@@ -124,16 +155,32 @@ class SnapshotRing:
         # Host buffers outlive the snapshots in them: a dropped snapshot frees its slot, and
         # the next capture into that slot reuses the allocation.
         self._buffers: list[list[torch.Tensor]] = [[] for _ in range(keep)]
-        self._stream: Any = None
+        # Without ``alloc``: one arena per slot (page-locked at its exact size where the
+        # state is on a GPU, orchestrator/pinned.py), the buffers views of it. Every slot's
+        # is made at the first capture (before training), at least ``reserve_bytes`` (the
+        # engine's estimate, lazily created optimizer state included), so no later capture
+        # allocates on the training thread unless the state outgrows it.
+        self._arenas: list[torch.Tensor | None] = [None] * keep
+        self._reserve = slot_bytes(reserve_bytes) if reserve_bytes else 0
+        self._streams: dict[torch.device, Any] = {}  # side stream per device
         self._alloc, self._on_drop = alloc, on_drop
 
     # --- capture --------------------------------------------------------------------------
     def capture(
-        self, step: int, state: dict[str, Any], alike: frozenset[str] = frozenset()
+        self,
+        step: int,
+        state: dict[str, Any],
+        alike: frozenset[str] = frozenset(),
+        volatile: frozenset[int] = frozenset(),
     ) -> Snapshot | None:
         """Copy ``state`` into a free slot: the oldest one that is neither the newest sealed
         nor being persisted. ``alike``: the top-level keys every rank holds alike (``alloc``
-        may keep them once per node). Returns None (nothing copied) when no slot is free."""
+        may keep them once per node). ``volatile``: the storage addresses (``data_ptr``) of
+        tensors the next forward writes in place (BatchNorm's running statistics, the
+        buffers DDP broadcasts): on a GPU they are copied first, and the compute stream
+        waits for those copies before anything queued after this call (the forward) runs;
+        the rest is not written before the next optimizer step, which :meth:`fence` orders.
+        Returns None (nothing copied) when no slot is free."""
         victim = self._victim()
         if victim is None:
             return None
@@ -148,34 +195,37 @@ class SnapshotRing:
         copies: list[tuple[int, int] | None] | None = None
         if self._alloc is not None:
             prev = self.slots[victim]
-            if prev is not None and prev.persisted:
-                reuse = []
+            if prev is not None:
+                prev.wait()  # alloc may replace (and unlock) the memory it was copied into
+                if prev.persisted:
+                    reuse = []
             reuse, copies = self._alloc(victim, leaves, reuse, mask)
-        buffers: list[torch.Tensor] = []
+            buffers = list(reuse)
+        else:
+            buffers = self._own(victim, leaves)
+        # The device is the state's own (never the current device: a rank that did not call
+        # torch.cuda.set_device would put the stream on device 0).
+        device = next((t.device for t in leaves if t.is_cuda), None)
+        compute = torch.cuda.current_stream(device) if device is not None else None
+        stream = self._side_stream(device) if device is not None else None
+        first = [i for i, t in enumerate(leaves) if t.data_ptr() in volatile and t.numel()]
+        rest = [i for i, t in enumerate(leaves) if t.data_ptr() not in volatile or not t.numel()]
         copied = 0
-        on_cuda = any(t.is_cuda for t in leaves)
-        if on_cuda:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.no_grad(), _maybe_stream(self._stream if on_cuda else None):
-            for i, src in enumerate(leaves):
-                dst = reuse[i] if i < len(reuse) else None
-                if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
-                    dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=src.is_cuda)
-                part = copies[i] if copies is not None else None
-                if part is None:
-                    dst.copy_(src.detach(), non_blocking=src.is_cuda)
-                    copied += dst.numel() * dst.element_size()
-                elif part[1] > part[0]:  # this rank's share of a tensor kept once per node
-                    a, b = part
-                    dst.view(-1)[a:b].copy_(src.detach().reshape(-1)[a:b], non_blocking=src.is_cuda)
-                    copied += (b - a) * dst.element_size()
-                buffers.append(dst)
+        with torch.no_grad(), _maybe_stream(stream):
+            for i in first:
+                copied += _copy(buffers[i], leaves[i], copies[i] if copies is not None else None)
+            if compute is not None and first:
+                # The forward writes these in place: it runs after their copies. (The
+                # compute stream was taken before the side stream became the current one.)
+                written = torch.cuda.Event()
+                written.record(stream)
+                compute.wait_event(written)
+            for i in rest:
+                copied += _copy(buffers[i], leaves[i], copies[i] if copies is not None else None)
         ready = None
-        if on_cuda:
+        if stream is not None:
             ready = torch.cuda.Event()
-            ready.record(self._stream)
+            ready.record(stream)
         snap = Snapshot(
             step=step,
             skeleton=skeleton,
@@ -184,16 +234,71 @@ class SnapshotRing:
             copied=copied,
             ready=ready,
             slot=victim,
+            device=device,
+            # The sources stay alive until the compute stream waits for their copies (the
+            # fence): freed earlier, their memory could be reused while still being read.
+            sources=leaves if ready is not None else None,
         )
         self._buffers[victim] = buffers
         self.slots[victim] = snap
         return snap
 
+    def _own(self, slot: int, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host buffers for ``leaves`` in ``slot``: its last ones while the shapes hold,
+        else views of its arena (a new one only when the state outgrew it)."""
+        old = self._buffers[slot]
+        if len(old) == len(leaves) and all(
+            b.shape == t.shape and b.dtype == t.dtype for b, t in zip(old, leaves, strict=True)
+        ):
+            return old
+        sizes = [_aligned(t.numel() * t.element_size()) for t in leaves]
+        need = sum(sizes)
+        pin = any(t.is_cuda for t in leaves)
+        if all(a is None for a in self._arenas):  # the first capture: every slot's at once
+            for i in range(self.keep):
+                self._arenas[i] = _arena(max(need, self._reserve), pin)
+        arena = self._arenas[slot]
+        if arena is None or arena.numel() < need:
+            prev = self.slots[slot]
+            if prev is not None:
+                prev.wait()  # no copy into the old arena in flight when it is unlocked
+            self._drop_arena(slot)
+            arena = self._arenas[slot] = _arena(max(need, self._reserve), pin)
+        out, at = [], 0
+        for t, n in zip(leaves, sizes, strict=True):
+            nbytes = t.numel() * t.element_size()
+            out.append(arena[at : at + nbytes].view(t.dtype).view(t.shape))
+            at += n
+        return out
+
+    def _drop_arena(self, slot: int) -> None:
+        """Let ``slot``'s arena go (a reader may still hold views of it: host reads stay
+        valid; the copies into it have landed: its snapshot was waited for)."""
+        unregister(self._arenas[slot])
+        self._arenas[slot] = None
+
+    def close(self) -> None:
+        """Unlock the ring's page-locked memory (the run is over)."""
+        for s in self.slots:
+            if s is not None:
+                s.wait()
+        for i in range(self.keep):
+            self._drop_arena(i)
+
+    def _side_stream(self, device: torch.device) -> Any:
+        """The side stream of ``device``, after the work queued on its compute stream."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
+
     def fence(self) -> None:
         """Make the compute stream wait for in-flight copies. Call before mutating state."""
         for s in self.slots:
             if s is not None and s.ready is not None:
-                torch.cuda.current_stream().wait_event(s.ready)
+                torch.cuda.current_stream(s.device).wait_event(s.ready)
+                s.sources = None
 
     def _victim(self) -> int | None:
         free = [i for i, s in enumerate(self.slots) if s is None]
@@ -234,6 +339,7 @@ class SnapshotRing:
             self._on_drop(i)
         if s.held or (s.persisted and self._alloc is not None):
             self._buffers[i] = []  # a persist thread may read them: new ones
+            self._drop_arena(i)
 
     def seal_through(self, committed_step: int, seal_after_steps: int) -> list[Snapshot]:
         """Seal snapshots whose ``seal_after_steps`` steps are all committed now."""
@@ -266,6 +372,42 @@ class SnapshotRing:
         if old_enough:
             return old_enough[-1], True
         return (sealed[0], False) if sealed else (None, False)
+
+
+ALIGN = 64  # every buffer in an arena starts on a cache line (and any dtype's alignment)
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def slot_bytes(estimate: int) -> int:
+    """The bytes of one private ring slot for a state estimated at ``estimate`` bytes: room
+    for each tensor's alignment and the small values the Guard adds (what the host-memory
+    check budgets, exactly)."""
+    return _aligned(estimate + estimate // 64 + (1 << 20))
+
+
+def _arena(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of host memory, page-locked at exactly that size with ``pin``: torch's
+    pinned allocator would round it up to a power of two (up to twice the budget)."""
+    arena = torch.empty(_aligned(max(nbytes, 1)), dtype=torch.uint8)
+    if pin:
+        register(arena)
+    return arena
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, part: tuple[int, int] | None) -> int:
+    """Copy ``src`` (or the elements ``part`` of its flattened view) into ``dst``; the bytes
+    copied."""
+    if part is None:
+        dst.copy_(src.detach(), non_blocking=src.is_cuda)
+        return dst.numel() * dst.element_size()
+    a, b = part
+    if b <= a:
+        return 0
+    dst.view(-1)[a:b].copy_(src.detach().reshape(-1)[a:b], non_blocking=src.is_cuda)
+    return (b - a) * dst.element_size()
 
 
 class _maybe_stream:

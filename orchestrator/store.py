@@ -301,7 +301,7 @@ class DurableStore:
             path = self.path(d, rel)
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             with self.fs.open(path, "wb") as f:
-                save_native(snap.materialize(key, clone=False), f)
+                save_native(snap.host(key), f)  # host tensors: no device copy to write
             skeleton[key] = {"__native__": rel}
             files[rel] = {"size": self.fs.size(path), "sha256": self._sha(path), "rank": rank}
         for rel, text in (texts or {}).items():

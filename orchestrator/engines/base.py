@@ -186,6 +186,20 @@ class Engine(ABC):
         change them (BatchNorm's running statistics)."""
         return [], False
 
+    def state_device(self) -> torch.device | None:
+        """The GPU this rank's model lives on, from its tensors (None: on the host, or
+        offloaded there): never torch.cuda.current_device(), which a script that does not
+        call torch.cuda.set_device leaves at cuda:0 on every rank."""
+        for t in (*self.core.parameters(), *self.core.buffers()):
+            if t.is_cuda:
+                return t.device
+        return None
+
+    def forward_writes(self) -> list[torch.Tensor]:
+        """Snapshot tensors a forward writes in place (BatchNorm's running statistics, the
+        buffers DDP broadcasts): a snapshot taken before the forward copies them first."""
+        return list(self.core.buffers())
+
     def release(self) -> None:  # noqa: B027 (a hook with a default: nothing to release)
         """The run is closed: remove what the engine attached to the user's objects."""
 

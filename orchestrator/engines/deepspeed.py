@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.engines.base import Engine, StepOrder
+from orchestrator.engines.inplace import Copier, copy_optimizer
 from orchestrator.errors import UsageError
 from orchestrator.policy import Policy
 from orchestrator.rng import rng_state, set_rng_state
@@ -304,17 +305,25 @@ class DeepSpeedEngine(Engine):
     def restore(self, snap: Snapshot, loss_scale_factor: float) -> None:
         ds, opt = self.ds, self.ds.optimizer
         counters = snap.materialize("ds_engine", clone=True)
-        # DeepSpeed's optimizer load copies the fp32 partitions out of what it is given, so
-        # the ring's buffers can be lent to it; the torch optimizer's state is copied in
-        # place here (no allocation, and DeepSpeed's links to those tensors stay valid).
+        # DeepSpeed's optimizer load copies the fp32 partitions out of what it is given, in
+        # place, so it gets the ring's host buffers themselves (no device copy of them);
+        # the torch optimizer's state is copied in place here (orchestrator/engines/
+        # inplace.py: no allocation, and DeepSpeed's links to those tensors stay valid).
         # Only where the live state lacks entries the snapshot has (before the first step)
-        # does the torch optimizer take the snapshot's tensors, and then it gets clones.
-        saved = snap.materialize("ds_optim", clone=False)["optimizer_state_dict"]
+        # does the torch optimizer take the snapshot's tensors, and then host copies of them.
+        saved = snap.host("ds_optim")["optimizer_state_dict"]
         base_key = "optimizer_state_dict" if self.stage3 else "base_optimizer_state"
         live_base = opt.state_dict()[base_key]
-        in_place = _fits(live_base, saved[base_key])
+        copier = Copier()
+        fresh = None
+        if _rigid(live_base) and _rigid(saved[base_key]):
+            live = {int(i): entry for i, entry in live_base["state"].items()}
+            fresh = copy_optimizer(live, saved[base_key], self.inner.param_groups, copier)
+        in_place = fresh is not None
+        for i in fresh or []:
+            live_base["state"][i].clear()  # no state at the snapshot: fresh again
         if not in_place:
-            saved = snap.materialize("ds_optim", clone=True)["optimizer_state_dict"]
+            saved = snap.host("ds_optim", clone=True)["optimizer_state_dict"]
         parts: list[Any] = [None] * self.dp_size
         parts[self.dp_rank] = saved
         # The calls engine.load_checkpoint makes, minus the file reads; the bit16 weights
@@ -322,8 +331,7 @@ class DeepSpeedEngine(Engine):
         if self.stage3:
             opt.checkpoint_event_prologue()
         opt.load_state_dict(parts, load_optimizer_states=not in_place, load_from_fp32_weights=True)
-        if in_place:
-            _copy_in_place(live_base, saved[base_key], self.inner)
+        copier.finish()
         if self.stage3:
             opt.checkpoint_event_epilogue()
         else:
@@ -359,39 +367,9 @@ class DeepSpeedEngine(Engine):
         return {"latest": self.tag(step)}  # what load_checkpoint and zero_to_fp32 look for
 
 
-def _fits(live: Any, saved: Any) -> bool:
-    """The saved torch-optimizer state dict can be copied into the live one in place: same
-    layout, and every per-parameter state the snapshot has exists live (not so before the
-    first step, or with DeepSpeed's elastic checkpoint layout)."""
-    if not (isinstance(live, dict) and isinstance(saved, dict) and "state" in live):
-        return False
-    if set(saved["state"]) - set(live["state"]) or len(saved["param_groups"]) != len(
-        live["param_groups"]
-    ):
-        return False
-    return all(
-        isinstance(live["state"][i].get(k), torch.Tensor) is isinstance(v, torch.Tensor)
-        and (not isinstance(v, torch.Tensor) or live["state"][i][k].shape == v.shape)
-        for i, entry in saved["state"].items()
-        for k, v in entry.items()
-    )
-
-
-def _copy_in_place(live: dict[str, Any], saved: dict[str, Any], inner: Any) -> None:
-    """Restore a torch optimizer from its saved state dict into its existing tensors.
-    ``live`` is a fresh ``state_dict()`` of it: its per-parameter entries are the optimizer's
-    own dicts, so writing into them writes into the optimizer."""
-    for i, entry in live["state"].items():
-        if i not in saved["state"]:
-            entry.clear()  # a parameter without state yet at the snapshot: fresh again
-            continue
-        for k, v in saved["state"][i].items():
-            if isinstance(v, torch.Tensor):
-                entry[k].copy_(v)
-            else:
-                entry[k] = v
-    for group, saved_group in zip(inner.param_groups, saved["param_groups"], strict=True):
-        group.update({k: v for k, v in saved_group.items() if k != "params"})  # LR & co.
+def _rigid(state: Any) -> bool:
+    """A torch optimizer state dict (not DeepSpeed's elastic checkpoint layout)."""
+    return isinstance(state, dict) and "state" in state and "param_groups" in state
 
 
 def _tree_bytes(obj: Any) -> int:

@@ -21,6 +21,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from orchestrator.engines.inplace import Copier, copy_optimizer
 from orchestrator.engines.torch_native import TorchEngine
 from orchestrator.errors import UsageError
 from orchestrator.policy import Policy
@@ -150,21 +151,33 @@ class FSDP2Engine(TorchEngine):
                     entries[key] = rebuild(name, shards, p)
         return tree
 
-    def restore(self, snap: Snapshot, loss_scale_factor: float) -> None:
-        with torch.no_grad():
-            saved = snap.materialize("model", clone=False)
-            for name, live in self.core.state_dict().items():
-                _local(live).copy_(saved[name])
-            self._restore_optimizer(snap.materialize("optim", clone=True))
-        self._restore_rest(snap, loss_scale_factor)
+    def _restore_model(self, snap: Snapshot, copier: Copier) -> None:
+        saved = snap.host("model")
+        for name, live in self.core.state_dict().items():
+            copier.copy(live, saved[name], f"model state {name!r}")  # into the local shard
 
-    def _restore_optimizer(self, saved: dict[str, Any]) -> None:
-        """Put the saved local shards back as the optimizer's state, shard by shard, never
-        gathering. Each shard is wrapped as a DTensor with its global shape and stride given
-        explicitly: inferred from the local shard (``from_local``'s default) the global shape
+    def _restore_optim(self, snap: Snapshot, copier: Copier) -> None:
+        """Copy the saved local shards into the optimizer's DTensor state (its local
+        shards, wherever they live: with ``CPUOffloadPolicy`` on the host), never gathering;
+        where that state does not exist yet (a resume), create it shard by shard."""
+        params, opt = self._params(), self.optimizer
+        live = {i: opt.state[p] for i, p in enumerate(params) if p in opt.state}
+        fresh = copy_optimizer(live, snap.host("optim"), opt.param_groups, copier)
+        if fresh is None:
+            copier.finish()
+            self._create_optimizer_state(snap.host("optim", clone=True))
+            return
+        for i in fresh:
+            del opt.state[params[i]]
+
+    def _create_optimizer_state(self, saved: dict[str, Any]) -> None:
+        """Put the saved local shards in as the optimizer's state, shard by shard. Each
+        shard becomes a DTensor laid out like the state it replaces, or like its parameter:
+        its global shape and stride given by that one (inferred from the local shard they
         would be the local one times the world size, which is wrong wherever dim 0 does not
-        divide evenly (a vocabulary of 1001 rows, a head of one row, whose shard on the last
-        rank is empty)."""
+        divide evenly: a vocabulary of 1001 rows, a head of one row, whose shard on the last
+        rank is empty), its local shard where that one's is (host memory under
+        ``CPUOffloadPolicy``)."""
         params = self._params()
         for group, saved_group in zip(
             self.optimizer.param_groups, saved["param_groups"], strict=True
@@ -211,14 +224,13 @@ def _as_dtensor(local: torch.Tensor, live: Any, param: DTensor, what: str) -> DT
             "The Guard restores optimizer state that shards like its parameter (Adam, SGD & "
             "co.); an optimizer with differently shaped state needs its own adapter"
         )
-    return DTensor.from_local(
-        local,
-        spec.device_mesh,
-        spec.placements,
-        run_check=False,
-        shape=spec.shape,
-        stride=spec.stride(),
-    )
+    # Not DTensor.from_local: it moves the shard to the mesh's device type (an offloaded
+    # state would land on the GPU). A DTensor like ``spec`` keeps its local shard's device.
+    with torch.no_grad():
+        out = torch.empty_like(spec, dtype=local.dtype)
+        assert isinstance(out, DTensor)
+        out.to_local().copy_(local)
+    return out
 
 
 class FSDP1Engine(TorchEngine):
@@ -259,14 +271,11 @@ class FSDP1Engine(TorchEngine):
         named.update(self.model.named_buffers())
         return {k: v.detach() for k, v in named.items()}
 
-    def restore(self, snap: Snapshot, loss_scale_factor: float) -> None:
-        saved = snap.materialize("model", clone=False)
-        with torch.no_grad():
-            for name, live in self._model_state().items():
-                live.copy_(saved[name])
+    def _restore_model(self, snap: Snapshot, copier: Copier) -> None:
+        saved = snap.host("model")
+        for name, live in self._model_state().items():
+            copier.copy(live, saved[name], f"local shard {name!r}")
         self._drop_gathered()
-        self.optimizer.load_state_dict(snap.materialize("optim", clone=True))
-        self._restore_rest(snap, loss_scale_factor)
 
     def _drop_gathered(self) -> None:
         """Undo what forwards without a backward left behind (the isolation re-runs, judged

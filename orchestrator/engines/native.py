@@ -53,7 +53,23 @@ def _allowed() -> list[Any]:
 
 
 def save_native(obj: Any, f: IO[bytes]) -> None:
-    torch.save(obj, f)
+    """``torch.save`` of ``obj``, each tensor on its own: the ring's buffers are views of
+    one arena or slot file per snapshot, and ``torch.save`` writes a view's whole storage
+    (and refuses views of one storage as different dtypes)."""
+    torch.save(_own_storage(obj), f)
+
+
+def _own_storage(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        whole = obj.untyped_storage().nbytes() == obj.numel() * obj.element_size()
+        return obj if whole else obj.clone()
+    if isinstance(obj, dict):
+        return {k: _own_storage(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_own_storage(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(_own_storage(v) for v in obj)
+    return obj
 
 
 def load_native(f: IO[bytes], name: str = "", extra: tuple[Any, ...] = ()) -> Any:

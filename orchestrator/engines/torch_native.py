@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator.diagnose import low_precision
 from orchestrator.engines.base import Engine
+from orchestrator.engines.inplace import Copier, copy_module, copy_optimizer
 from orchestrator.errors import UsageError
 from orchestrator.rng import rng_state, set_rng_state
 from orchestrator.snapshot import Snapshot
@@ -178,11 +179,36 @@ class TorchEngine(Engine):
         }
 
     def restore(self, snap: Snapshot, loss_scale_factor: float) -> None:
-        # load_state_dict copies into the live parameters, so the model part may alias
-        # the host buffers; the optimizer keeps what it is given, so it gets clones.
-        self.core.load_state_dict(snap.materialize("model", clone=False))
-        self.optimizer.load_state_dict(snap.materialize("optim", clone=True))
+        # Into the live tensors, from the host buffers (orchestrator/engines/inplace.py):
+        # every parameter, buffer and optimizer-state tensor keeps its object and storage.
+        copier = Copier()
+        self._restore_model(snap, copier)
+        self._restore_optim(snap, copier)
+        copier.finish()
         self._restore_rest(snap, loss_scale_factor)
+
+    def _restore_model(self, snap: Snapshot, copier: Copier) -> None:
+        saved = snap.host("model")
+        if not copy_module(self.core.state_dict(), saved, copier):
+            # Keys or shapes differ (a resume into another model): load_state_dict says
+            # which, and copies what it takes from the host buffers in place too.
+            self.core.load_state_dict(saved)
+
+    def _restore_optim(self, snap: Snapshot, copier: Copier) -> None:
+        """The optimizer's state, copied into its own tensors. Where the snapshot has state
+        the live optimizer lacks (a resume into a fresh process), ``load_state_dict``
+        creates it, from host copies (it keeps what it is given); state the snapshot lacks
+        (taken before the first step) is dropped, as ``load_state_dict`` would."""
+        params = self._params()
+        opt = self.optimizer
+        live = {i: opt.state[p] for i, p in enumerate(params) if p in opt.state}
+        fresh = copy_optimizer(live, snap.host("optim"), opt.param_groups, copier)
+        if fresh is None:
+            copier.finish()  # before load_state_dict replaces tensors a copy may write
+            opt.load_state_dict(snap.host("optim", clone=True))
+            return
+        for i in fresh:
+            del opt.state[params[i]]  # no state at the snapshot: created by its next step
 
     def _restore_rest(self, snap: Snapshot, loss_scale_factor: float) -> None:
         """Scheduler, loss scaler (its scale times the factor) and RNG: the same for every
