@@ -242,10 +242,12 @@ class HealthChecker:
                 use_local_synchronization=True,  # only this group's ranks take part
             )
             if backend == "nccl":
-                self.device = torch.device("cuda", torch.cuda.current_device())
+                self.device = comm._device()  # the model's device (the Guard's), not cuda:0
             self._connect()
         elif torch.cuda.is_available():
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            own = comm.device  # the model's (the Guard's), else the current device
+            cuda = torch.device("cuda", torch.cuda.current_device())
+            self.device = own if own is not None and own.type == "cuda" else cuda
         # The roll call and the evidence go through the process group's store, not a
         # collective: a rank that never enters a check, or never reports, is named by the
         # ones that did, with its host.

@@ -30,10 +30,24 @@ def net(norm: type[nn.Module] = nn.BatchNorm1d) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 33), norm(33), nn.ReLU(), nn.Linear(33, 4))
 
 
+class Tracker(nn.Module):
+    """A running mean its forward writes in place, as BatchNorm's: bf16 BatchNorm does not
+    run on CPU, so the DeepSpeed cells use this for a buffer a forward writes."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(x.detach().mean(0).to(self.mean.dtype), alpha=0.1)
+        return x
+
+
 def build(kind: str) -> Engine:
-    # DeepSpeed's restore leaves module buffers alone (its checkpoints keep them in the
-    # model file only); bf16 BatchNorm does not run on CPU anyway.
     model = net(nn.LayerNorm if kind.startswith("zero") else nn.BatchNorm1d)
+    if kind.startswith("zero"):
+        model.insert(2, Tracker(33))
     if kind.startswith("zero"):
         import deepspeed
 
@@ -86,6 +100,8 @@ def live_tensors(engine: Engine) -> dict[str, torch.Tensor]:
         stage3 = getattr(engine, "stage3", False)
         for n, p in ds.module.named_parameters():
             out[f"param {n}"] = p.ds_tensor if stage3 else p
+        for n, b in ds.module.named_buffers():
+            out[f"buffer {n}"] = b
         masters = (
             opt.fp32_partitioned_groups_flat if stage3 else opt.single_partition_of_fp32_groups
         )

@@ -283,6 +283,9 @@ class DeepSpeedEngine(Engine):
                 "ds_version": self.version,
             },
             "rng": rng_state(),
+            # Every rank's module buffers (BatchNorm statistics a forward writes): DeepSpeed
+            # keeps them in the model file only, which a rollback does not load.
+            "ds_buffers": dict(ds.module.named_buffers()),
         }
         if ds.save_non_zero_checkpoint:
             state["ds_model"] = ds._common_checkpoint_state(
@@ -331,6 +334,10 @@ class DeepSpeedEngine(Engine):
         if self.stage3:
             opt.checkpoint_event_prologue()
         opt.load_state_dict(parts, load_optimizer_states=not in_place, load_from_fp32_weights=True)
+        if "ds_buffers" in snap.skeleton:  # snapshots written before it was kept lack it
+            live_buffers = dict(ds.module.named_buffers())
+            for name, buf in snap.host("ds_buffers").items():
+                copier.copy(live_buffers[name], buf, f"module buffer {name!r}")
         copier.finish()
         if self.stage3:
             opt.checkpoint_event_epilogue()
