@@ -267,13 +267,16 @@ def test_a_finished_nodes_launcher_never_waits_for_a_peer_that_does_not_come(
     """torchrun's exit barrier waits up to 300 s for every launcher of its rendezvous round
     (issue 29: a replaced node's launcher, in another round, never came). Node 1's torchrun
     is stopped (SIGSTOP) mid-run, so it never reaches the barrier while its rank trains on
-    to the end: both supervisors end their lingering launchers once the run finished
-    (launcher_lingered) and exit 0, well before the barrier's 300 s."""
+    to the end: its supervisor ends the lingering launcher once the run finished
+    (launcher_lingered) and both exit 0, well before the barrier's 300 s. Node 0's launcher
+    waits in the barrier for node 1's and lingers too, unless the stop came late, after
+    node 1's launcher had reached the barrier: then node 0's is let through and ends on its
+    own (CI saw it once, polling late under load; 60 steps make it rare)."""
     from launch.procs import descendants
     from launch.supervisor import LINGER_S
 
     d = tmp_path / "run"
-    procs = start_nodes(d, BASE, "--steps", "30")
+    procs = start_nodes(d, BASE, "--steps", "60")
     deadline = time.monotonic() + 120
     while not any(b["step"] >= 5 for b in read_heartbeats(str(d))):  # bounded poll
         assert time.monotonic() < deadline, "training never reached step 5"
@@ -286,7 +289,7 @@ def test_a_finished_nodes_launcher_never_waits_for_a_peer_that_does_not_come(
     assert [r.returncode for r in results] == [0, 0], [r.stdout[-2000:] for r in results]
     assert time.monotonic() - t0 < LINGER_S + 120  # not the barrier's 300 s
     lingered = {e["details"]["node"] for e in kinds(d, "launcher_lingered")}
-    assert lingered == {"n0", "n1"}, kinds(d, "launcher_lingered")
+    assert "n1" in lingered and lingered <= {"n0", "n1"}, kinds(d, "launcher_lingered")
     assert {e["details"]["outcome"] for e in kinds(d, "attempt_end")} == {"ok"}
 
 
