@@ -161,8 +161,11 @@ def check_syncs(args: argparse.Namespace, device: torch.device, rank: int) -> di
     model, opt, sched = build(args.engine, device, width, depth)
     bare = []
     it = iter(torch.utils.data.DataLoader(data, batch_size=8))
+    # DeepSpeed's bf16 module takes bf16 inputs (bf16 is on for CUDA only: build()).
+    dtype = torch.bfloat16 if args.engine == "deepspeed" and device.type == "cuda" else None
     for step in range(steps):
         x, y = (t.to(device, non_blocking=True) for t in next(it))
+        x = x.to(dtype) if dtype is not None else x
         with SyncCounter(device) as c:
             loss = F.cross_entropy(model(x).float(), y)
             if args.engine == "deepspeed":
@@ -192,6 +195,7 @@ def check_syncs(args: argparse.Namespace, device: torch.device, rank: int) -> di
             except StopIteration:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x = x.to(dtype) if dtype is not None else x
             loss = F.cross_entropy(model(x).float(), y)
             guard.backward(loss)
             guard.step()
