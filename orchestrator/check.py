@@ -48,6 +48,9 @@ class Checked:
     overflow_since: int | None = None  # persistent_overflow: the first skipped step
     spike: SpikeBar | None = None  # a spike: where its metric stood (isolation judges by it)
     extra: list[float] | None = None  # this rank's ``extra`` values, read with the check's
+    # The loss scale where the check read it (an overflow under ``min_loss_scale``): the
+    # step's metrics row reuses it rather than sync a second time.
+    loss_scale: float | None = None
 
 
 class StepCheck:
@@ -99,7 +102,7 @@ class StepCheck:
         world = self.comm.world_size
         gloss = vals[LOSS] / world
         gnorm = self.engine.global_grad_norm(vals[GRAD_NORM_SQ], world)
-        reason, overflow, since, spike = None, False, None, None
+        reason, overflow, since, spike, scale = None, False, None, None, None
         if agreed is False:
             reason = "divergence"  # first: its rollback must reach an agreed snapshot
         elif vals[LOSS_NONFINITE] > 0:
@@ -107,8 +110,10 @@ class StepCheck:
         elif vals[GRAD_NONFINITE] > 0:
             overflow = self.engine.has_loss_scaler
             reason = None if overflow else "nonfinite_grads"
-            if overflow and self._persistent():
-                reason, overflow, since = "persistent_overflow", False, step - self._skips + 1
+            if overflow:
+                persistent, scale = self._persistent()
+                if persistent:
+                    reason, overflow, since = "persistent_overflow", False, step - self._skips + 1
         else:
             spike = self.spikes.check({"loss": gloss, "grad_norm": gnorm}, step)
             if spike is not None:
@@ -120,6 +125,7 @@ class StepCheck:
         return Checked(
             gloss, gnorm, reason, overflow, vals[STOP] > 0, self.durable.busy, seconds,
             agreed=agreed, digest=top, overflow_since=since, spike=spike, extra=mine,
+            loss_scale=scale,
         )  # fmt: skip
 
     def rewind(self, step: int) -> None:
@@ -127,16 +133,18 @@ class StepCheck:
         self.spikes.rewind(step)
         self._skips = 0
 
-    def _persistent(self) -> bool:
+    def _persistent(self) -> tuple[bool, float | None]:
         """This overflow is one skip too many: ``detect.overflow.max_skips`` in a row, or
         the loss scale under its floor. A scaler that skips every step hides a broken model
         (non-finite gradients whatever the scale): the run must not end 0 having trained
-        on nothing. Read on overflow steps only (the scale's read is a host sync)."""
+        on nothing. Read on overflow steps only (the scale's read is a host sync); returns
+        the scale where it was read."""
         o = self.overflow
         if o.max_skips is not None and self._skips + 1 >= o.max_skips:
-            return True
+            return True, None
         scale = self.engine.loss_scale() if o.min_loss_scale is not None else None
-        return scale is not None and o.min_loss_scale is not None and scale < o.min_loss_scale
+        low = scale is not None and o.min_loss_scale is not None and scale < o.min_loss_scale
+        return low, scale
 
     def _zero_gradients(self, step: int) -> None:
         hint = (

@@ -561,7 +561,7 @@ class Guard:
         self.engine.commit(lr_multiplier, coef, overflow)
         checked = self._checked
         self.metrics.after_step(
-            self.global_step, outcome, loss, grad_norm, lambda: self.lr, self.engine.loss_scale,
+            self.global_step, outcome, loss, grad_norm, lambda: self.lr, self._loss_scale,
             check_s=checked.seconds if checked is not None else None,
             writing=checked is not None and checked.writing,
         )  # fmt: skip
@@ -587,6 +587,16 @@ class Guard:
         if phase is not None:
             self._event("adjust", phase=phase, lr_multiplier=self.adjuster.multiplier())
         return outcome
+
+    def _loss_scale(self) -> float | None:
+        """The loss scale for the metrics row: the check's read of it on an overflow step
+        (one host sync a step, not two: tests/gpu counts them), else read now."""
+        c = self._checked
+        return (
+            c.loss_scale
+            if c is not None and c.loss_scale is not None
+            else (self.engine.loss_scale())
+        )
 
     def _rolled_back(self, step: int) -> None:
         self.global_step, self._micro = step, 0

@@ -108,3 +108,42 @@ def _json(line: str) -> dict[str, Any]:
 
     out: dict[str, Any] = json.loads(line)
     return out
+
+
+def test_an_overflow_step_reads_the_loss_scale_once(tmp_path: Path) -> None:
+    """A GradScaler's overflow skip (a NaN gradient at step 5, metrics every step): the
+    check reads the scale for ``detect.overflow.min_loss_scale`` and the metrics row
+    reuses it. On an H200 the metrics row read it a second time (two syncs, not one)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, foreach=True)
+    policy = {
+        "persist": {"enabled": False},
+        "snapshot": {"every_steps": 1000},
+        "metrics": {"every_steps": 1},
+        "faults": [{"kind": "nan_grad", "step": 5}],
+    }
+    guard = Guard(
+        parse_policy(policy),
+        model=model,
+        optimizer=opt,
+        scaler=torch.amp.GradScaler("cpu"),
+        run_dir=str(tmp_path),
+    )
+    loader = guard.dataloader(Regression(), batch_size=8, seed=1)
+    outcomes = {}
+    with counting() as reads:
+        for x, y in guard.batches(loader, max_steps=8):
+            step = guard.global_step
+            loss = torch.nn.functional.mse_loss(model(x).squeeze(-1), y)
+            guard.backward(loss)
+            reads.armed = step == 5
+            outcomes[step] = guard.step()
+            reads.armed = False
+    guard.close()
+    assert outcomes[5] == "overflow_skip", outcomes
+    # The check's .tolist() and one read of the scale (GradScaler.get_scale: .item()); the
+    # row holds the scale the step overflowed at (GradScaler's initial 2**16).
+    assert dict(reads.calls) == {"tolist": 1, "item": 1}, reads.where.most_common()
+    rows = [_json(line) for line in (tmp_path / "metrics.jsonl").open()]
+    assert [r["loss_scale"] for r in rows if r["step"] == 5] == [2.0**16]

@@ -524,6 +524,46 @@ def test_shm_slots_seal_verify_and_withdraw(tmp_path: Path) -> None:
     assert not (tmp_path / "shm").exists()
 
 
+def test_reusing_a_slot_cancels_its_checksum_instead_of_waiting(tmp_path: Path) -> None:
+    """A slot reused while its verdict's checksum still runs (steps of milliseconds, a
+    state of GBs: seen on an H200) stops that checksum: no verdict, no error, the same
+    file. The incremental checksum equals one zlib call per 64 MiB chunk."""
+    import threading
+    import zlib
+
+    from orchestrator.shm import CHUNK, ShmSlots, _Cancelled, _crcs
+    from orchestrator.snapshot import SnapshotRing
+
+    buf = torch.randint(0, 255, (CHUNK + (9 << 20),), dtype=torch.uint8)
+    data = buf.numpy().data
+    assert _crcs(buf, cancel=threading.Event()) == [
+        zlib.crc32(data[:CHUNK]),
+        zlib.crc32(data[CHUNK:]),
+    ]
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(_Cancelled):
+        _crcs(buf, cancel=stop)
+
+    shm = ShmSlots(str(tmp_path / "shm"), rank=0, world_size=1, keep=2, attempt=0)
+    ring = SnapshotRing(2, alloc=shm.alloc, on_drop=shm.drop)
+    state = {"w": torch.randn(48 << 20 >> 2)}  # 48 MiB: twelve 4 MiB pieces
+    snap = ring.capture(5, state)
+    assert snap is not None
+    snap.sealed = True
+    errors: list[Exception] = []
+    shm.seal(snap, on_error=errors.append, plan={})
+    file = shm._files[0]
+    shm.alloc(0, [state["w"]], snap.buffers)  # the slot again, its checksum under way
+    assert not shm._sealing and errors == []
+    assert shm.candidates()[0] == {} and shm._files[0] == file
+    # Sealed and left alone, the verdict is written and checks.
+    shm.seal(snap, on_error=errors.append, plan={})
+    shm.join()
+    assert shm.candidates()[0] == {5: (0, "0-0")} and shm.check(0) is None and errors == []
+    shm.close(remove=True)
+
+
 def test_a_ring_removed_under_a_writing_rank_stays_removed(tmp_path: Path) -> None:
     """A rank whose supervisor died removes the node's ring while its training thread still
     captures into it (orchestrator/lifeline.py): the folder must be gone afterwards, and the

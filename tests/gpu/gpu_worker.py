@@ -126,7 +126,11 @@ def build(engine: str, device: torch.device, width: int, depth: int, norm: str =
         cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
                "bf16": {"enabled": device.type == "cuda"},
                "zero_optimization": {"stage": 2},
-               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}  # fmt: skip
+               # torch's AdamW: DeepSpeed 0.19.8's FusedAdam JIT build cannot parse an
+               # arch such as "9.0a" (int('0a')) in TORCH_CUDA_ARCH_LIST, set on H100/H200
+               # images; the Guard does not care which AdamW runs.
+               "optimizer": {"type": "AdamW",
+                             "params": {"lr": 1e-3, "torch_adam": True}}}  # fmt: skip
         ds, _, _, _ = deepspeed.initialize(model=model, config=cfg)
         return ds, None, None
     if engine == "fsdp2":
