@@ -143,11 +143,15 @@ class Guard:
             self.journal = Journal(self.run_dir, comm.global_rank, self.attempt)
             self._decide = Decisions(self.journal, comm.rank == 0)
             self.shm = open_shm(p, comm, self.run_dir, self.attempt)  # None: private memory
+            reserve = self.engine.estimate_state_bytes()
+            if self.shm is not None:
+                self.shm.reserve_bytes = reserve
+                self.shm.reserve_alike = self.engine.state_replicated
             self.ring = SnapshotRing(
                 p.snapshot.keep,
                 alloc=self.shm.alloc if self.shm else None,
                 on_drop=self.shm.drop if self.shm else None,
-                reserve_bytes=0 if self.shm else self.engine.estimate_state_bytes(),
+                reserve_bytes=0 if self.shm else reserve,
             )
             self.adjuster = LRAdjuster(p.adjust)
             self.faults = FaultInjector(p.faults, comm.global_rank, self.run_dir, self.journal)

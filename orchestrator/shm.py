@@ -55,6 +55,7 @@ from orchestrator.snapshot import Leaf, Snapshot, unflatten
 __all__ = ["ShmSlots", "agreeable", "node_refusal", "verdicts"]
 
 ALIGN = 64  # every tensor starts on a cache line (and on any dtype's alignment)
+SPARE = "spare-"  # a slot file made at the first capture, before the slot's first use
 
 
 def _aligned(n: int) -> int:
@@ -145,6 +146,13 @@ class ShmSlots:
         self._share: list[list[list[int]]] = [[] for _ in range(keep)]
         self._offsets: list[tuple[list[int], list[int]]] = [([], []) for _ in range(keep)]
         self._gen = self._node_gen = 0
+        # The engine's estimate of this rank's state (lazily created optimizer state
+        # included): every slot's file is made that large at the first capture, before
+        # training, as the private ring makes its arenas (the Guard sets it).
+        self.reserve_bytes = 0
+        self.reserve_alike = False  # that state is held alike by every rank (DDP): node part
+        self._unused: set[tuple[int, bool]] = set()  # (slot, node part): made, never written
+        self._unused_next: set[tuple[int, bool]] = set()  # being made so
         # slot -> the thread writing its verdict, and the event that cancels it
         self._sealing: dict[int, tuple[threading.Thread, threading.Event]] = {}
         self._made_root = False
@@ -214,13 +222,21 @@ class ShmSlots:
             return reuse, self._copies[slot]
         own_at, node_at = self._offsets[slot]
         pin = any(t.is_cuda for t in leaves)  # copies from a GPU: page-lock the mapping
+        first = all(m is None for m in (*self._maps, *self._node_maps))
+        own_leaves = [t for t, n in zip(leaves, in_node, strict=True) if not n]
+        alike_leaves = [t for t, n in zip(leaves, in_node, strict=True) if n]
+        # The room goes where the bulk of the state lives: the node part when every rank
+        # holds it alike (the same size on all of them), else this rank's own file.
+        node_room = self.reserve_bytes if self.reserve_alike else 0
+        own_room = 0 if shared and self.reserve_alike else self.reserve_bytes
+        # The ring lets this slot's bytes be written again: a file with room is laid out anew.
+        writable = bool(reuse)
         if not own_fits:
-            own_at = self._new_file(
-                slot, [t for t, n in zip(leaves, in_node, strict=True) if not n], pin=pin
-            )
+            own_at = self._new_file(slot, own_leaves, pin=pin, room=own_room, in_place=writable)
         if shared and not node_fits:
-            alike_leaves = [t for t, n in zip(leaves, in_node, strict=True) if n]
-            node_at = self._new_file(slot, alike_leaves, node=True, pin=pin)
+            node_at = self._new_file(
+                slot, alike_leaves, node=True, pin=pin, room=node_room, in_place=writable
+            )
             self._share[slot], cut = self._cut(alike_leaves, node_at)
             it = iter(cut)
             self._copies[slot] = [next(it) if n else None for n in in_node]
@@ -231,6 +247,19 @@ class ShmSlots:
             self._node_maps[slot] = self._node_files[slot] = None
             self._share[slot], self._copies[slot] = [], None
         self._in_node[slot], self._offsets[slot] = in_node, (own_at, node_at)
+        if first:  # every other slot's files now, not at its first use mid-training
+            for other in range(self.keep):
+                # An earlier process's files stay until the slot's first use: its snapshot
+                # may still be flushed or healed from, and /dev/shm is sized for one ring.
+                if other == slot or self._earlier(other):
+                    continue
+                self._unused_next.add((other, False))
+                self._new_file(other, own_leaves, pin=pin, room=own_room)
+                self._unused_next.discard((other, False))
+                self._unused.add((other, False))
+                if shared:
+                    self._new_file(other, alike_leaves, node=True, pin=pin, room=node_room)
+                    self._unused.add((other, True))
         own, at = iter(own_at), iter(node_at)
         out = []
         for t, n in zip(leaves, in_node, strict=True):
@@ -266,19 +295,36 @@ class ShmSlots:
         return segments, copies
 
     def _new_file(
-        self, slot: int, tensors: list[torch.Tensor], node: bool = False, pin: bool = False
+        self,
+        slot: int,
+        tensors: list[torch.Tensor],
+        node: bool = False,
+        pin: bool = False,
+        room: int = 0,
+        in_place: bool = False,
     ) -> list[int]:
         """A new file for ``slot``'s tensors (this rank's own, or the node part: created by
-        the first of the node's ranks to get here, opened by the others), mapped shared and,
-        with ``pin``, page-locked (orchestrator/pinned.py: a copy from a GPU into pageable
-        memory is synchronous and staged); returns each tensor's offset in it. The file it
-        replaces is unlinked: a mapping of it (a persisting reader's) lives on until
-        dropped, unlocked (nothing copies into it any more)."""
+        the first of the node's ranks to get here, opened by the others), of at least
+        ``room`` bytes, mapped shared and, with ``pin``, page-locked (orchestrator/pinned.py:
+        a copy from a GPU into pageable memory is synchronous and staged); returns each
+        tensor's offset in it. The slot's current file is kept when it has room and may be
+        written (``in_place``, or never written yet): creating and page-locking GBs costs
+        about a second on the training thread. A file replaced is unlinked: a mapping of
+        it (a persisting reader's) lives on until dropped, unlocked (nothing copies into it
+        any more)."""
         offsets, total = [], 0
         for t in tensors:
             offsets.append(total)
             total += _aligned(t.numel() * t.element_size())
         total = total or ALIGN
+        current = (self._node_maps if node else self._maps)[slot]
+        unused = (slot, node) in self._unused
+        self._unused.discard((slot, node))
+        if current is not None and current.numel() >= total and (in_place or unused):
+            if unused and not node:  # from now on a slot's file, which a restart reads
+                self._files[slot] = _renamed(str(self._files[slot]), SPARE, "")
+            return offsets
+        total = max(total, _aligned(room))
         d = os.path.join(self.root, f"slot{slot}")
         self._mkdir(d)
         files = self._node_files if node else self._files
@@ -286,24 +332,23 @@ class ShmSlots:
         # This rank's files, or node files of this group, from an earlier process: the
         # node's ranks name their node files alike (the group's token, one count).
         mine = f"node-{self.token}-" if node else f"rank{self.rank}-"
-        if old is None:
+        if old is None:  # (own files made ahead of use are named SPARE + mine until used)
             try:
                 names = os.listdir(d)
             except FileNotFoundError as err:
                 raise self._removed(d) from err
             for name in names:
-                if name.endswith(".bin") and (
-                    name.startswith(f"rank{self.rank}-")
-                    if not node
-                    else name.startswith("node-") and not name.startswith(mine)
-                ):
+                if self._earlier_name(name, node):
                     _unlink(os.path.join(d, name))
         if node:
             self._node_gen += 1
             path = os.path.join(d, f"{mine}{self._node_gen}.bin")
         else:
             self._gen += 1
-            path = os.path.join(d, f"{mine}{self._gen}.bin")
+            # Made ahead of its first use: named apart, or a restart would count a slot that
+            # never held a snapshot as one left unsealed.
+            spare = SPARE if (slot, node) in self._unused_next else ""
+            path = os.path.join(d, f"{spare}{mine}{self._gen}.bin")
         # Never truncated: another rank of the node may be writing its share already.
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | (0 if node else os.O_TRUNC), 0o600)
@@ -340,6 +385,23 @@ class ShmSlots:
         if old is not None:
             _unlink(old)
         return offsets
+
+    def _earlier_name(self, name: str, node: bool) -> bool:
+        """``name`` is a slot file of this rank (``node``: of this node's group) that an
+        earlier process left."""
+        if not name.endswith(".bin"):
+            return False
+        if not node:
+            return name.removeprefix(SPARE).startswith(f"rank{self.rank}-")
+        return name.startswith("node-") and not name.startswith(f"node-{self.token}-")
+
+    def _earlier(self, slot: int) -> bool:
+        """An earlier process left files in ``slot`` (this rank's or the node group's)."""
+        try:
+            names = os.listdir(os.path.join(self.root, f"slot{slot}"))
+        except FileNotFoundError:
+            return False
+        return any(self._earlier_name(n, False) or self._earlier_name(n, True) for n in names)
 
     def seal(
         self,
@@ -558,6 +620,14 @@ class ShmSlots:
         self._node_maps = [None] * self.keep
         if remove:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _renamed(path: str, old: str, new: str) -> str:
+    """``path`` with its file name's prefix ``old`` replaced by ``new``, renamed so."""
+    d, name = os.path.split(path)
+    to = os.path.join(d, new + name.removeprefix(old))
+    os.rename(path, to)
+    return to
 
 
 def _unlink(path: str) -> None:
