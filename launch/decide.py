@@ -72,6 +72,7 @@ __all__ = [
     "decide",
     "needs_blame",
     "no_agreement",
+    "preempted",
     "progress",
 ]
 
