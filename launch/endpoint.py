@@ -4,7 +4,7 @@ torchrun's c10d rendezvous (and its static one, and the ``deepspeed`` launcher's
 ``srun`` job's ``MASTER_ADDR``) meets at one TCP endpoint, served from the launcher of one
 node: that node holds the job's store. An attempt that cannot reach it fails after the
 launcher's own timeout, which says nothing about the training itself, so the supervisor
-looks before it starts one and after one fails (launch/supervisor.py): an unreachable
+looks before it starts one and after one fails (launch/cluster.py): an unreachable
 endpoint counts toward ``supervisor.node_timeout_s`` (exit 77), never toward the crash loop.
 
 "Reachable" means the host answers: a connection accepted, or refused because the store is

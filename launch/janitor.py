@@ -1,6 +1,6 @@
 """The node's shared-memory ring goes when its supervisor goes, however it goes.
 
-The supervisor removes the ring when it stops (launch/supervisor.py) and its ranks remove it
+The supervisor removes the ring when it stops (launch/services.py) and its ranks remove it
 when they see it die (orchestrator/lifeline.py). Neither covers a supervisor SIGKILLed while
 no rank runs: in its backoff between attempts, or while torchrun and the ranks start. Then
 the ring would stay in /dev/shm, holding node memory, until the machine reboots.
