@@ -20,7 +20,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +64,7 @@ from orchestrator.quarantine import Ledger
 from orchestrator.recovery import Recovery
 from orchestrator.rng import rng_state, set_rng_state, set_torch_rng_state, torch_rng_state
 from orchestrator.snapshot import SnapshotRing
+from orchestrator.stateful import UserState
 from orchestrator.tuning import Measured, Tuner, resolve_auto, ring_min_steps
 
 # Outcomes of Guard.step.
@@ -96,7 +97,9 @@ class Guard:
             the scheduler and the scaler; user code must not.
         engine: instead of the above, the engine ``deepspeed.initialize`` returned (ZeRO
             stage 1, 2 or 3). ``guard.backward`` calls ``engine.backward`` and
-            ``guard.step`` calls ``engine.step``; user code calls neither.
+            ``guard.step`` calls ``engine.step``; user code calls neither. Or the name of an
+            engine registered with ``orchestrator.engines.register_engine``, built from
+            the arguments above (docs/engines.md).
         process_group: the group whose ranks decide together (default: the world group when
             torch.distributed is initialized, else single-process).
         run_dir: journal, ledger and fault memory; default $ORCHESTRATOR_RUN_DIR, else a fresh
@@ -107,6 +110,9 @@ class Guard:
         fresh: start a new run even if ``run_dir`` holds an earlier one (its files move to
             ``run_dir/archive/<time>/``; nothing is deleted); a torchrun restart still
             resumes. Under ``orchestrator launch`` use ``launch --fresh``.
+        state: your own objects to keep in every snapshot, by name (an EMA model, a
+            counter): anything with ``state_dict()`` and ``load_state_dict(state)``; rolled
+            back with the model and resumed after a restart (see :meth:`register_state`).
 
     Raises:
         PolicyError: the policy cannot be met here (e.g. not enough host memory for the ring).
@@ -125,7 +131,11 @@ class Guard:
         run_dir: str | None = None,
         grad_accum_steps: int | None = None,
         fresh: bool = False,
+        state: Mapping[str, Any] | None = None,
     ) -> None:
+        self.user_state = UserState()
+        for name, obj in (state or {}).items():
+            self.user_state.register(name, obj)
         p = policy if policy is not None else load_policy()
         if p.snapshot.auto_every_steps or p.persist.auto_every_steps:
             p = resolve_auto(p)  # a copy: the intervals change while training
@@ -179,6 +189,7 @@ class Guard:
             self.keeper = StateKeeper(
                 p, comm, self.engine, self.ring, self.durable, cursor=self.cursor,
                 adjuster=self.adjuster, heartbeat=self.heartbeat, decide=self._decide, shm=self.shm,
+                user=self.user_state,
             )  # fmt: skip
             self.check = StepCheck(p, comm, self.engine, self.durable, self.heartbeat, self._decide)
             # Replicas compare snapshot digests where every rank holds the state alike.
@@ -211,7 +222,7 @@ class Guard:
             self.recovery = Recovery(
                 p, comm, self.engine, ring=self.ring, cursor=self.cursor, adjuster=self.adjuster,
                 ledger=ledger, durable=self.durable, metrics=self.metrics, heartbeat=self.heartbeat,
-                health=self.health, journal=self.journal,
+                health=self.health, journal=self.journal, user=self.user_state,
             )  # fmt: skip
             self.recovery.hold(held)
             if self._suspect is not None:
@@ -296,6 +307,19 @@ class Guard:
     def quarantined(self) -> frozenset[int]:
         """Sample ids (dataset indices) quarantined so far, the ledger's included."""
         return self.cursor.quarantined
+
+    def register_state(self, name: str, obj: Any) -> None:
+        """Keep ``obj``'s state in every snapshot under ``name``, as ``Guard(state=...)``
+        does: ``obj.state_dict()`` is copied with each snapshot (each rank its own objects';
+        they may differ between ranks) and ``obj.load_state_dict(state)`` gets it back on a
+        rollback, with the model, and on resume. Update the object only on a step that
+        returned ``"commit"``. Must be called before the first ``guard.batches``.
+
+        Raises:
+            UsageError: called after the first batch, ``name`` taken, or ``obj`` lacks
+                ``state_dict``/``load_state_dict``.
+        """
+        self.user_state.register(name, obj)
 
     def dataloader(self, dataset: Dataset[Any], batch_size: int, **options: Any) -> Any:
         """The loader to give ``guard.batches``: ``batch_size`` samples per rank, resumable
