@@ -26,12 +26,13 @@ class EMA:
 
     def __init__(self, model: nn.Module, decay: float = 0.9) -> None:
         self.model, self.decay = model, decay
-        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        # Plain tensors (under FSDP2 this rank's shards): what a snapshot holds as is.
+        self.shadow = {k: _local(v).detach().clone() for k, v in model.state_dict().items()}
 
     def update(self) -> None:
         with torch.no_grad():
             for k, v in self.model.state_dict().items():
-                self.shadow[k].mul_(self.decay).add_(v, alpha=1 - self.decay)
+                self.shadow[k].mul_(self.decay).add_(_local(v), alpha=1 - self.decay)
 
     def state_dict(self) -> dict[str, Any]:
         return {"shadow": self.shadow, "decay": self.decay}  # references, as torch's do
@@ -70,22 +71,59 @@ class Data(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return self.x[i], self.y[i]
 
 
-def run(guard_args: dict[str, Any], steps: int, user: bool = True) -> tuple[Guard, dict[str, Any]]:
-    """Train ``steps`` steps; returns the Guard and the final model, EMA and counter
-    (``user=False``: neither is given to the Guard)."""
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 (DTensor) tensor, else the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def build(engine: str) -> tuple[nn.Module, dict[str, Any]]:
+    """The model and the Guard's arguments for ``engine`` (ddp, fsdp2 or zero2; one process
+    without torch.distributed: plain PyTorch)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+    if engine == "zero2":
+        import deepspeed
+
+        ds, *_ = deepspeed.initialize(
+            model=model,
+            model_parameters=model.parameters(),
+            config={
+                "train_micro_batch_size_per_gpu": 8,
+                "bf16": {"enabled": True},
+                "zero_optimization": {"stage": 2},
+                # torch_adam: bit-for-bit replays on CPU (examples/train_gpt_deepspeed.py)
+                "optimizer": {"type": "ADAMW", "params": {"lr": 1e-2, "torch_adam": True}},
+            },
+        )
+        return model, {"engine": ds}
     module: nn.Module = model
-    if dist.is_initialized():
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        module = fully_shard(model)
+    elif dist.is_initialized():
         module = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    return model, {"model": module, "optimizer": torch.optim.AdamW(module.parameters(), lr=1e-2)}
+
+
+def run(
+    guard_args: dict[str, Any], steps: int, user: bool = True, engine: str = "ddp"
+) -> tuple[Guard, dict[str, Any]]:
+    """Train ``steps`` steps; returns the Guard and the final model, EMA and counter
+    (``user=False``: neither is given to the Guard)."""
+    model, kw = build(engine)
+    forward = kw.get("model", kw.get("engine"))  # the wrapper (DDP's all-reduces gradients)
     ema, counter = EMA(model), Counter()
-    guard = Guard(model=module, optimizer=opt, state={"ema": ema} if user else None, **guard_args)
+    guard = Guard(state={"ema": ema} if user else None, **kw, **guard_args)
     if user:
         guard.register_state("counter", counter)
     loader = guard.dataloader(Data(), batch_size=8, seed=1)
     for x, y in guard.batches(loader, max_steps=steps):
-        loss = F.mse_loss(module(x).squeeze(-1), y)
+        out = forward(x.bfloat16() if engine == "zero2" else x)
+        loss = F.mse_loss(out.squeeze(-1).float(), y)
         guard.backward(loss)
         if guard.step(loss) == "commit":  # the user's state follows committed steps only
             ema.update()
@@ -93,7 +131,7 @@ def run(guard_args: dict[str, Any], steps: int, user: bool = True) -> tuple[Guar
             counter.loss_sum += loss.detach().double()  # in place: the tensor it was given
     guard.close()
     final = {
-        "model": model.state_dict(),
+        "model": {k: _local(v).detach().clone() for k, v in model.state_dict().items()},
         "ema": dict(ema.shadow),
         "commits": counter.commits,
         "loss_sum": counter.loss_sum,
@@ -105,10 +143,11 @@ def run(guard_args: dict[str, Any], steps: int, user: bool = True) -> tuple[Guar
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--engine", choices=("ddp", "fsdp2", "zero2"), default="ddp")
     ap.add_argument("--save-final")
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    _, final = run({"policy": load_policy()}, args.steps)
+    _, final = run({"policy": load_policy()}, args.steps, engine=args.engine)
     if args.save_final:
         os.makedirs(args.save_final, exist_ok=True)
         torch.save(final, f"{args.save_final}/rank{dist.get_rank()}.pt")

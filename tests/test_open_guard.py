@@ -3,6 +3,7 @@ model, resumed after a restart, bit for bit), and engines registered by name."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,11 @@ from typing import Any
 import pytest
 import torch
 from inproc import Regression, events
-from stateful_worker import EMA, Counter, run
+from stateful_worker import EMA, Counter
+from stateful_worker import run as train_inproc
+from test_supervisor import BASE, launch_cmd
 
-from conftest import REPO, assert_bitwise_equal, kinds, train
+from conftest import REPO, assert_bitwise_equal, free_port, kinds, run, train
 from orchestrator import Guard, UsageError, parse_policy
 from orchestrator.engines import (
     EngineArgs,
@@ -22,7 +25,7 @@ from orchestrator.engines import (
     unregister_engine,
 )
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(400)
 
 EXACT = {"adjust": {"lr_factor": 1.0}, "quarantine": {"enabled": False}}
 PERSIST = {**EXACT, "persist": {"every_steps": 10}}
@@ -30,7 +33,7 @@ WORKER = REPO / "tests" / "stateful_worker.py"
 
 
 def _run(d: Path, policy: dict[str, Any], steps: int, user: bool = True) -> dict[str, Any]:
-    guard, final = run({"policy": parse_policy(policy), "run_dir": str(d)}, steps, user)
+    guard, final = train_inproc({"policy": parse_policy(policy), "run_dir": str(d)}, steps, user)
     assert guard.global_step == steps
     return final
 
@@ -64,27 +67,60 @@ def test_user_state_resumes_after_a_restart(tmp_path: Path) -> None:
 
     old = tmp_path / "old"
     _run(old, PERSIST, 10, user=False)  # its snapshots have no "user" key
-    guard, _ = run({"policy": parse_policy(PERSIST), "run_dir": str(old)}, 20)
+    guard, _ = train_inproc({"policy": parse_policy(PERSIST), "run_dir": str(old)}, 20)
     assert events(old, "resume")[0]["details"]["snapshot_step"] == 10 and guard.global_step == 20
 
 
-def test_user_state_crash_and_resume_on_two_ranks_bit_for_bit(tmp_path: Path) -> None:
-    """DDP on 2 ranks, durable snapshots every 10 steps, rank 0 crashes at step 25: the same
-    command resumes from step 20 and every rank ends with the EMA and its own counter (the
-    sum of its own losses: the ranks' differ) bit for bit as in a clean run."""
-    steps = ["--steps", "40"]
-    clean = tmp_path / "clean"
-    r = train(clean, 2, *steps, policy=PERSIST, script=WORKER)
-    assert r.returncode == 0, r.stdout[-3000:]
-    d = tmp_path / "run"
-    crash = {"kind": "crash", "step": 25, "rank": 0, "after_persist": True}
-    policy = {**PERSIST, "faults": [crash]}
-    first = train(d, 2, *steps, policy=policy, script=WORKER)
-    assert first.returncode != 0 and [e["step"] for e in kinds(d, "fault")] == [25]
-    second = train(d, 2, *steps, policy=policy, script=WORKER)
-    assert second.returncode == 0, second.stdout[-3000:]
+@pytest.mark.parametrize(
+    "engine,tier",
+    [
+        ("ddp", "durable"),
+        ("ddp", "shm"),
+        # The same path (a rank-local snapshot key) through the sharded engines' parts and
+        # DeepSpeed's layout; in the full matrix only.
+        pytest.param("fsdp2", "durable", marks=pytest.mark.matrix),
+        pytest.param("zero2", "durable", marks=pytest.mark.matrix),
+    ],
+)
+def test_user_state_crash_and_resume_on_two_ranks_bit_for_bit(
+    tmp_path: Path, engine: str, tier: str
+) -> None:
+    """2 ranks, snapshots every 10 steps (durable ones, or in the node's shared memory under
+    the supervisor), rank 0 crashes at step 25: the next attempt resumes from step 20, rolls
+    back from a NaN gradient on rank 1 at step 33 to step 30, and every rank ends with the
+    EMA and its own counter (the sum of its own losses: the ranks' differ) bit for bit as
+    in a clean run."""
+    if engine == "zero2":
+        pytest.importorskip("deepspeed", reason="pip install -e '.[dev]' installs it")
+    args = ["--engine", engine, "--steps", "40"]
+    policy: dict[str, Any] = PERSIST
+    if tier == "shm":
+        policy = {
+            **BASE,
+            "snapshot": {"every_steps": 10, "shared_memory": True},
+            "persist": {"every_steps": 100},
+        }
+    clean, d = tmp_path / "clean", tmp_path / "run"
+    crash = {"kind": "crash", "step": 25, "rank": 0, "after_persist": tier == "durable"}
+    faults = [crash, {"kind": "nan_grad", "step": 33, "rank": 1}]
+    if tier == "shm":
+        for run_dir, p in ((clean, policy), (d, {**policy, "faults": faults})):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER),
+                   *args, "--save-final", str(run_dir / "final")]  # fmt: skip
+            r = run(launch_cmd(run_dir, p, *cmd), timeout=300)
+            assert r.returncode == 0, r.stdout[-3000:]
+    else:
+        r = train(clean, 2, *args, policy=policy, script=WORKER)
+        assert r.returncode == 0, r.stdout[-3000:]
+        first = train(d, 2, *args, policy={**policy, "faults": faults}, script=WORKER)
+        assert first.returncode != 0 and [e["step"] for e in kinds(d, "fault")] == [25]
+        second = train(d, 2, *args, policy={**policy, "faults": faults}, script=WORKER)
+        assert second.returncode == 0, second.stdout[-3000:]
     (resume,) = kinds(d, "resume")
     assert resume["details"]["snapshot_step"] == 20
+    assert resume["details"]["tier"] == ("shm" if tier == "shm" else "remote")
+    assert [e["details"]["to_step"] for e in kinds(d, "rollback")] == [30]
     want = [torch.load(clean / "final" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     got = [torch.load(d / "final" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert not torch.equal(want[0]["loss_sum"], want[1]["loss_sum"])  # per-rank state
