@@ -18,6 +18,7 @@ import logging
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from orchestrator.errors import UsageError
 from orchestrator.snapshot import Snapshot
@@ -115,6 +116,12 @@ class UserState:
 def _check_plain(value: Any, path: str, where: str) -> None:
     """Refuse at registration what a durable snapshot could not store (orchestrator/codec.py:
     tensors and JSON values in dicts, lists and tuples), naming the entry."""
+    if isinstance(value, DTensor):
+        raise UsageError(
+            f"{where}: {path} is a DTensor; a snapshot holds this rank's own tensors: keep "
+            "the local shard in the object's state (t.to_local()) and rebuild the DTensor in "
+            "load_state_dict if it needs one"
+        )
     if value is None or isinstance(value, (torch.Tensor, bool, int, float, str)):
         return
     if isinstance(value, dict):
