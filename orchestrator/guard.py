@@ -65,7 +65,7 @@ from orchestrator.recovery import Recovery
 from orchestrator.rng import rng_state, set_rng_state, set_torch_rng_state, torch_rng_state
 from orchestrator.snapshot import SnapshotRing
 from orchestrator.stateful import UserState
-from orchestrator.tuning import Measured, Tuner, resolve_auto, ring_min_steps
+from orchestrator.tuning import Intervals, Measured, Tuner, resolve_auto, ring_min_steps
 
 # Outcomes of Guard.step.
 COMMIT, OVERFLOW_SKIP, ACCUMULATE = "commit", "overflow_skip", "accumulate"
@@ -138,8 +138,9 @@ class Guard:
             self.user_state.register(name, obj)
         p = policy if policy is not None else load_policy()
         if p.snapshot.auto_every_steps or p.persist.auto_every_steps:
-            p = resolve_auto(p)  # a copy: the intervals change while training
+            p = resolve_auto(p)  # a copy with the starting intervals
         self.policy = p
+        self.intervals = Intervals.of(p)  # what every_steps: auto changes while training
         self.comm = comm = Comm(process_group)
         self.engine: Engine = engine_for(
             model, optimizer, scheduler, scaler, engine, grad_accum_steps
@@ -175,8 +176,9 @@ class Guard:
             self._probing = False  # running a crash probe (forward only)
             self.cursor = DataCursor(comm, in_ledger, p.quarantine.window_steps)
             self.durable = DurableTier(
-                p, comm, self.engine, self.run_dir, self.journal, self.faults, self._event, self.shm
-            )
+                p, comm, self.engine, self.run_dir, self.journal, self.faults, self._event,
+                self.shm, intervals=self.intervals,
+            )  # fmt: skip
             self.heartbeat = Heartbeat(
                 self.run_dir,
                 comm.global_rank,
@@ -351,7 +353,7 @@ class Guard:
         if not self.ring.snapshots():
             self.keeper.capture(self.global_step, initial=True)
         while True:
-            every = self.policy.snapshot.every_steps  # tune may change it (every_steps: auto)
+            every = self.intervals.snapshot_steps  # tune may change it (every_steps: auto)
             if self.investigation.active:
                 with self.investigation.rerun() as ids:
                     batch = self.cursor.rerun_batch(ids)
@@ -650,7 +652,7 @@ class Guard:
     def _retune(self) -> None:
         """Every tune.every_steps steps (every rank at once): rank 0 measures and chooses,
         every rank applies the same intervals; a change is journaled with its inputs."""
-        p, choice = self.policy, None
+        choice = None
         if self.comm.rank == 0:
             try:  # never leave the other ranks in the broadcast below
                 choice = self._choose()
@@ -662,17 +664,17 @@ class Guard:
         if said is None:
             return
         m, chosen = said
-        for tier, section in (("snapshot", p.snapshot), ("persist", p.persist)):
-            c = chosen.get(tier)
-            if c is None or c.every_steps == section.every_steps:
+        for tier in ("snapshot", "persist"):
+            c, old = chosen.get(tier), getattr(self.intervals, f"{tier}_steps")
+            if c is None or c.every_steps == old:
                 continue
             self._event(
-                "interval", tier=tier, old=section.every_steps, new=c.every_steps,
+                "interval", tier=tier, old=old, new=c.every_steps,
                 optimum_s=round(c.interval_s, 4), cost_s=round(c.cost_s, 6),
                 mtbf_s=round(c.mtbf_s, 1), step_s=round(c.step_s, 6), bounded_by=c.bounded_by,
                 incidents=m.incidents, restarts=m.restarts, trained_s=round(m.trained_s, 1),
             )  # fmt: skip
-            section.every_steps = c.every_steps
+            setattr(self.intervals, f"{tier}_steps", c.every_steps)
 
     def _choose(self) -> tuple[Measured, dict[str, Any]] | None:
         """Rank 0: what was measured since the last tuning and the intervals it gives
@@ -697,8 +699,8 @@ class Guard:
             restarts=h.restarts,
             trained_s=h.seconds + (time.monotonic() - self._started),
         )
-        p = self.policy
-        return m, self.tuner.retune(m, p.snapshot.every_steps, p.persist.every_steps)
+        i = self.intervals
+        return m, self.tuner.retune(m, i.snapshot_steps, i.persist_steps)
 
     # ------------------------------------------------------------------ helpers --------
     def _misuse(self, what: str) -> UsageError:
