@@ -247,3 +247,31 @@ def test_misuse_of_the_registries_says_what_to_do(tmp_path: Path) -> None:
             guard.register_state("late", Counter())
     finally:
         guard.close(persist=False)
+
+
+def test_the_policy_is_frozen_and_tuned_intervals_live_apart(tmp_path: Path) -> None:
+    """A loaded policy refuses changes; every_steps: auto changes the Guard's intervals
+    (what the ring and the durable tier follow), never the policy it was given."""
+    import pydantic
+
+    policy = parse_policy(
+        {
+            "snapshot": {"every_steps": "auto"},
+            "persist": {"every_steps": "auto"},
+            "tune": {"every_steps": 20, "initial_snapshot_steps": 5, "initial_persist_steps": 10,
+                     "prior_incident_mtbf_s": 3.0, "prior_restart_mtbf_s": 60.0},
+        }
+    )  # fmt: skip
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        policy.snapshot.every_steps = 3  # type: ignore[misc]
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = Guard(policy, model=model, optimizer=opt, run_dir=str(tmp_path))
+    assert (guard.intervals.snapshot_steps, guard.intervals.persist_steps) == (5, 10)
+    _loop(guard, model, 100)
+    assert (guard.policy.snapshot.every_steps, guard.policy.persist.every_steps) == (5, 10)
+    changes = events(tmp_path, "interval")
+    assert changes, "no interval was chosen"
+    for tier, initial in (("snapshot", 5), ("persist", 10)):
+        said = [c["details"]["new"] for c in changes if c["details"]["tier"] == tier]
+        assert getattr(guard.intervals, f"{tier}_steps") == (said[-1] if said else initial)
