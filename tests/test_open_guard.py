@@ -202,8 +202,18 @@ def test_a_registered_engine_is_chosen_by_its_predicate(tmp_path: Path) -> None:
         unregister_engine("counting-auto")
 
 
-def test_builtin_engines_are_registered() -> None:
-    assert {"torch", "fsdp1", "fsdp2", "deepspeed"} <= set(registered_engines())
+def test_builtin_engines_are_registered_and_a_replaced_engine_keeps_its_place() -> None:
+    assert registered_engines()[:4] == ["torch", "fsdp2", "fsdp1", "deepspeed"]
+    register_engine("first", CountingEngine)
+    register_engine("second", CountingEngine)
+    try:
+        register_engine("first", TorchEngine, replace=True)
+        assert registered_engines()[-2:] == ["first", "second"]
+    finally:
+        unregister_engine("first")
+        unregister_engine("second")
+    with pytest.raises(UsageError, match=r"'first'.*registered: deepspeed"):
+        unregister_engine("first")
     model = torch.nn.Linear(8, 1)
     args = EngineArgs(model, torch.optim.SGD(model.parameters(), lr=0.1), grad_accum_steps=3)
     engine = TorchEngine.from_args(args)

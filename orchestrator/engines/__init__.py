@@ -72,8 +72,8 @@ def build_deepspeed(args: EngineArgs, cls: Any) -> Engine:
         ds, model = model, None
     if not is_deepspeed_engine(ds):
         raise UsageError(
-            f"the {cls.__name__} engine takes the engine deepspeed.initialize returned "
-            f"(Guard(engine=ds_engine)), not a {type(ds).__name__}"
+            f"{cls.__name__} takes the engine deepspeed.initialize returned "
+            f"(Guard(engine=ds_engine)), not {type(ds).__name__}"
         )
     if any(x is not None for x in (model, args.optimizer, args.scheduler, args.scaler)):
         raise UsageError(

@@ -66,7 +66,8 @@ def register_engine(
         matches: optional; given the Guard's arguments, whether this engine handles them
             when the Guard is not told an engine's name (asked before the engines
             registered earlier).
-        replace: register over an engine of that name instead of refusing.
+        replace: register over an engine of that name (in its place in the order)
+            instead of refusing.
 
     Raises:
         UsageError: the name is taken (and not ``replace``), or ``engine`` is neither an
@@ -90,12 +91,22 @@ def register_engine(
             f"register_engine({name!r}, {engine!r}): takes a subclass of "
             "orchestrator.engines.Engine or a factory taking EngineArgs"
         )
-    _ENGINES.pop(name, None)  # a replaced engine is asked in its new place
+    # A replaced engine keeps its place in the order (replacing "torch" must not put it
+    # before FSDP and DeepSpeed).
     _ENGINES[name] = _Entry(build, matches)
 
 
 def unregister_engine(name: str) -> None:
-    """Forget the engine registered as ``name`` (KeyError if there is none)."""
+    """Forget the engine registered as ``name``.
+
+    Raises:
+        UsageError: no engine is registered by that name.
+    """
+    if name not in _ENGINES:
+        raise UsageError(
+            f"unregister_engine({name!r}): no engine is registered by that name; registered: "
+            f"{', '.join(sorted(_ENGINES))}"
+        )
     del _ENGINES[name]
 
 
