@@ -26,7 +26,7 @@ from orchestrator.journal import Decisions
 from orchestrator.policy import Policy
 from orchestrator.shm import ShmSlots
 from orchestrator.snapshot import Snapshot, SnapshotRing
-from orchestrator.stateful import USER_KEY, UserState
+from orchestrator.stateful import USER_KEY, UserState, tensors_in
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,10 @@ class StateKeeper:
         user = self.user.state()
         if user is not None:
             state[USER_KEY] = user
-        volatile = frozenset(t.data_ptr() for t in self.engine.forward_writes())
+        # The loop body may update the user's objects in place before the step's fence
+        # (a counter before guard.step): their copies land before it runs, as the buffers'.
+        written = [*self.engine.forward_writes(), *tensors_in(user)]
+        volatile = frozenset(t.data_ptr() for t in written)
         snap = self.ring.capture(step, state, self._alike(state), volatile)
         if snap is not None:
             snap.digest = self.digest()

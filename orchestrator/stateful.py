@@ -113,6 +113,17 @@ class UserState:
             )
 
 
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a state tree (dicts, lists and tuples of them)."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in tensors_in(v)]
+    return []
+
+
 def _check_plain(value: Any, path: str, where: str) -> None:
     """Refuse at registration what a durable snapshot could not store (orchestrator/codec.py:
     tensors and JSON values in dicts, lists and tuples), naming the entry."""

@@ -44,18 +44,20 @@ class EMA:
 
 
 class Counter:
-    """Commits seen and the sum of this rank's own losses (a per-rank value): it keeps the
-    tensor it is given and adds to it in place."""
+    """Commits seen, the sum of this rank's own losses (a per-rank value) and the samples
+    its loop body ran (updated before guard.step: a rollback undoes the updates since the
+    snapshot, probes included); it keeps the tensors it is given and adds to them in place."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         self.commits = 0
-        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.seen = torch.zeros((), dtype=torch.int64, device=device)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"commits": self.commits, "loss_sum": self.loss_sum}
+        return {"commits": self.commits, "loss_sum": self.loss_sum, "seen": self.seen}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.commits, self.loss_sum = state["commits"], state["loss_sum"]
+        self.commits, self.loss_sum, self.seen = state["commits"], state["loss_sum"], state["seen"]
 
 
 class Data(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -76,11 +78,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def build(engine: str) -> tuple[nn.Module, dict[str, Any]]:
+def build(engine: str, device: str = "cpu") -> tuple[nn.Module, dict[str, Any]]:
     """The model and the Guard's arguments for ``engine`` (ddp, fsdp2 or zero2; one process
-    without torch.distributed: plain PyTorch)."""
+    without torch.distributed: plain PyTorch), on ``device``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
+    model.to(device)
     if engine == "zero2":
         import deepspeed
 
@@ -110,18 +113,24 @@ def build(engine: str) -> tuple[nn.Module, dict[str, Any]]:
 
 
 def run(
-    guard_args: dict[str, Any], steps: int, user: bool = True, engine: str = "ddp"
+    guard_args: dict[str, Any],
+    steps: int,
+    user: bool = True,
+    engine: str = "ddp",
+    device: str = "cpu",
 ) -> tuple[Guard, dict[str, Any]]:
     """Train ``steps`` steps; returns the Guard and the final model, EMA and counter
     (``user=False``: neither is given to the Guard)."""
-    model, kw = build(engine)
+    model, kw = build(engine, device)
     forward = kw.get("model", kw.get("engine"))  # the wrapper (DDP's all-reduces gradients)
-    ema, counter = EMA(model), Counter()
+    ema, counter = EMA(model), Counter(device)
     guard = Guard(state={"ema": ema} if user else None, **kw, **guard_args)
     if user:
         guard.register_state("counter", counter)
     loader = guard.dataloader(Data(), batch_size=8, seed=1)
     for x, y in guard.batches(loader, max_steps=steps):
+        x, y = x.to(device), y.to(device)
+        counter.seen += len(y)  # before the step's fence: its snapshot copy must land first
         out = forward(x.bfloat16() if engine == "zero2" else x)
         loss = F.mse_loss(out.squeeze(-1).float(), y)
         guard.backward(loss)
@@ -135,6 +144,7 @@ def run(
         "ema": dict(ema.shadow),
         "commits": counter.commits,
         "loss_sum": counter.loss_sum,
+        "seen": counter.seen,
         "step": guard.global_step,
     }
     return guard, final
