@@ -318,8 +318,9 @@ class Guard:
         returned ``"commit"``. Must be called before the first ``guard.batches``.
 
         Raises:
-            UsageError: called after the first batch, ``name`` taken, or ``obj`` lacks
-                ``state_dict``/``load_state_dict``.
+            UsageError: called after the first batch, ``name`` taken, ``obj`` lacks
+                ``state_dict``/``load_state_dict``, or its state holds a value a durable
+                snapshot cannot store (not a tensor, number, string, None, dict or list).
         """
         self.user_state.register(name, obj)
 
