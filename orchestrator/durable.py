@@ -27,6 +27,7 @@ from orchestrator.retry import is_transient, storage_retry
 from orchestrator.shm import ShmSlots, agreeable
 from orchestrator.snapshot import Snapshot
 from orchestrator.store import SNAPSHOT_ERRORS, DurableStore, default_url, signing_key
+from orchestrator.tuning import Intervals
 from orchestrator.writer import LocalTier, Persister
 
 #: A state tree to restore, the manifest it came with, and the store URL it came from.
@@ -44,8 +45,11 @@ class DurableTier:
         faults: FaultInjector,
         event: Callable[..., None],
         shm: ShmSlots | None = None,
+        intervals: Intervals | None = None,
     ) -> None:
         self.policy = policy.persist
+        # The persist interval in force (every_steps: auto changes it while training).
+        self.intervals = intervals if intervals is not None else Intervals.of(policy)
         self.shm = shm  # the ring's shared-memory slots, when snapshot.shared_memory
         self.refused: list[str] = []  # why newer snapshots were not resumed from
         self.comm = comm
@@ -123,7 +127,7 @@ class DurableTier:
     # --- persisting -----------------------------------------------------------------------
     def on_sealed(self, snap: Snapshot, rollbacks: int) -> None:
         """Persist ``snap`` if it is due, unless a write is still in flight somewhere."""
-        every = self.policy.every_steps
+        every = self.intervals.persist_steps
         crossed = every is not None and snap.step // every > self.mark // every
         self.mark = max(self.mark, snap.step)
         if self.persister is None or not (crossed or self.requested):

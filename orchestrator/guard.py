@@ -20,7 +20,7 @@ import logging
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +64,8 @@ from orchestrator.quarantine import Ledger
 from orchestrator.recovery import Recovery
 from orchestrator.rng import rng_state, set_rng_state, set_torch_rng_state, torch_rng_state
 from orchestrator.snapshot import SnapshotRing
-from orchestrator.tuning import Measured, Tuner, resolve_auto, ring_min_steps
+from orchestrator.stateful import UserState
+from orchestrator.tuning import Intervals, Measured, Tuner, resolve_auto, ring_min_steps
 
 # Outcomes of Guard.step.
 COMMIT, OVERFLOW_SKIP, ACCUMULATE = "commit", "overflow_skip", "accumulate"
@@ -96,7 +97,9 @@ class Guard:
             the scheduler and the scaler; user code must not.
         engine: instead of the above, the engine ``deepspeed.initialize`` returned (ZeRO
             stage 1, 2 or 3). ``guard.backward`` calls ``engine.backward`` and
-            ``guard.step`` calls ``engine.step``; user code calls neither.
+            ``guard.step`` calls ``engine.step``; user code calls neither. Or the name of an
+            engine registered with ``orchestrator.engines.register_engine``, built from
+            the arguments above (docs/engines.md).
         process_group: the group whose ranks decide together (default: the world group when
             torch.distributed is initialized, else single-process).
         run_dir: journal, ledger and fault memory; default $ORCHESTRATOR_RUN_DIR, else a fresh
@@ -107,6 +110,9 @@ class Guard:
         fresh: start a new run even if ``run_dir`` holds an earlier one (its files move to
             ``run_dir/archive/<time>/``; nothing is deleted); a torchrun restart still
             resumes. Under ``orchestrator launch`` use ``launch --fresh``.
+        state: your own objects to keep in every snapshot, by name (an EMA model, a
+            counter): anything with ``state_dict()`` and ``load_state_dict(state)``; rolled
+            back with the model and resumed after a restart (see :meth:`register_state`).
 
     Raises:
         PolicyError: the policy cannot be met here (e.g. not enough host memory for the ring).
@@ -125,11 +131,16 @@ class Guard:
         run_dir: str | None = None,
         grad_accum_steps: int | None = None,
         fresh: bool = False,
+        state: Mapping[str, Any] | None = None,
     ) -> None:
+        self.user_state = UserState()
+        for name, obj in (state or {}).items():
+            self.user_state.register(name, obj)
         p = policy if policy is not None else load_policy()
         if p.snapshot.auto_every_steps or p.persist.auto_every_steps:
-            p = resolve_auto(p)  # a copy: the intervals change while training
+            p = resolve_auto(p)  # a copy with the starting intervals
         self.policy = p
+        self.intervals = Intervals.of(p)  # what every_steps: auto changes while training
         self.comm = comm = Comm(process_group)
         self.engine: Engine = engine_for(
             model, optimizer, scheduler, scaler, engine, grad_accum_steps
@@ -169,8 +180,9 @@ class Guard:
             self._probing = False  # running a crash probe (forward only)
             self.cursor = DataCursor(comm, in_ledger, p.quarantine.window_steps)
             self.durable = DurableTier(
-                p, comm, self.engine, self.run_dir, self.journal, self.faults, self._event, self.shm
-            )
+                p, comm, self.engine, self.run_dir, self.journal, self.faults, self._event,
+                self.shm, intervals=self.intervals,
+            )  # fmt: skip
             self.heartbeat = Heartbeat(
                 self.run_dir,
                 comm.global_rank,
@@ -183,6 +195,7 @@ class Guard:
             self.keeper = StateKeeper(
                 p, comm, self.engine, self.ring, self.durable, cursor=self.cursor,
                 adjuster=self.adjuster, heartbeat=self.heartbeat, decide=self._decide, shm=self.shm,
+                user=self.user_state,
             )  # fmt: skip
             self.check = StepCheck(p, comm, self.engine, self.durable, self.heartbeat, self._decide)
             # Replicas compare snapshot digests where every rank holds the state alike.
@@ -215,7 +228,7 @@ class Guard:
             self.recovery = Recovery(
                 p, comm, self.engine, ring=self.ring, cursor=self.cursor, adjuster=self.adjuster,
                 ledger=ledger, durable=self.durable, metrics=self.metrics, heartbeat=self.heartbeat,
-                health=self.health, journal=self.journal,
+                health=self.health, journal=self.journal, user=self.user_state,
             )  # fmt: skip
             self.recovery.hold(held)
             if self._suspect is not None:
@@ -301,6 +314,20 @@ class Guard:
         """Sample ids (dataset indices) quarantined so far, the ledger's included."""
         return self.cursor.quarantined
 
+    def register_state(self, name: str, obj: Any) -> None:
+        """Keep ``obj``'s state in every snapshot under ``name``, as ``Guard(state=...)``
+        does: ``obj.state_dict()`` is copied with each snapshot (each rank its own objects';
+        they may differ between ranks) and ``obj.load_state_dict(state)`` gets it back on a
+        rollback, with the model, and on resume. Update the object only on a step that
+        returned ``"commit"``. Must be called before the first ``guard.batches``.
+
+        Raises:
+            UsageError: called after the first batch, ``name`` taken, ``obj`` lacks
+                ``state_dict``/``load_state_dict``, or its state holds a value a durable
+                snapshot cannot store (not a tensor, number, string, None, dict or list).
+        """
+        self.user_state.register(name, obj)
+
     def dataloader(self, dataset: Dataset[Any], batch_size: int, **options: Any) -> Any:
         """The loader to give ``guard.batches``: ``batch_size`` samples per rank, resumable
         (its position is saved with every snapshot), quarantined samples filtered out.
@@ -331,7 +358,7 @@ class Guard:
         if not self.ring.snapshots():
             self.keeper.capture(self.global_step, initial=True)
         while True:
-            every = self.policy.snapshot.every_steps  # tune may change it (every_steps: auto)
+            every = self.intervals.snapshot_steps  # tune may change it (every_steps: auto)
             if self.investigation.active:
                 with self.investigation.rerun() as ids:
                     batch = self.cursor.rerun_batch(ids)
@@ -640,7 +667,7 @@ class Guard:
     def _retune(self) -> None:
         """Every tune.every_steps steps (every rank at once): rank 0 measures and chooses,
         every rank applies the same intervals; a change is journaled with its inputs."""
-        p, choice = self.policy, None
+        choice = None
         if self.comm.rank == 0:
             try:  # never leave the other ranks in the broadcast below
                 choice = self._choose()
@@ -652,17 +679,17 @@ class Guard:
         if said is None:
             return
         m, chosen = said
-        for tier, section in (("snapshot", p.snapshot), ("persist", p.persist)):
-            c = chosen.get(tier)
-            if c is None or c.every_steps == section.every_steps:
+        for tier in ("snapshot", "persist"):
+            c, old = chosen.get(tier), getattr(self.intervals, f"{tier}_steps")
+            if c is None or c.every_steps == old:
                 continue
             self._event(
-                "interval", tier=tier, old=section.every_steps, new=c.every_steps,
+                "interval", tier=tier, old=old, new=c.every_steps,
                 optimum_s=round(c.interval_s, 4), cost_s=round(c.cost_s, 6),
                 mtbf_s=round(c.mtbf_s, 1), step_s=round(c.step_s, 6), bounded_by=c.bounded_by,
                 incidents=m.incidents, restarts=m.restarts, trained_s=round(m.trained_s, 1),
             )  # fmt: skip
-            section.every_steps = c.every_steps
+            setattr(self.intervals, f"{tier}_steps", c.every_steps)
 
     def _choose(self) -> tuple[Measured, dict[str, Any]] | None:
         """Rank 0: what was measured since the last tuning and the intervals it gives
@@ -687,8 +714,8 @@ class Guard:
             restarts=h.restarts,
             trained_s=h.seconds + (time.monotonic() - self._started),
         )
-        p = self.policy
-        return m, self.tuner.retune(m, p.snapshot.every_steps, p.persist.every_steps)
+        i = self.intervals
+        return m, self.tuner.retune(m, i.snapshot_steps, i.persist_steps)
 
     # ------------------------------------------------------------------ helpers --------
     def _misuse(self, what: str) -> UsageError:

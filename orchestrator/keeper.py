@@ -1,7 +1,8 @@
 """The state keeper: snapshots of this rank's state into the host ring, the durable
 snapshot written outside the step protocol (end of run, preemption), and the resume at
 start. Every snapshot holds the Guard's counters and the shared data position under the
-``guard`` key, and a user pipeline's per-rank loader state under ``data``.
+``guard`` key, a user pipeline's per-rank loader state under ``data``, and the user's own
+registered objects under ``user`` (:mod:`orchestrator.stateful`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from orchestrator.journal import Decisions
 from orchestrator.policy import Policy
 from orchestrator.shm import ShmSlots
 from orchestrator.snapshot import Snapshot, SnapshotRing
+from orchestrator.stateful import USER_KEY, UserState, tensors_in
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +45,10 @@ class StateKeeper:
         heartbeat: Heartbeat,
         decide: Decisions,
         shm: ShmSlots | None = None,
+        user: UserState | None = None,
     ) -> None:
         self.policy, self.comm, self.engine, self.ring = policy, comm, engine, ring
+        self.user = user if user is not None else UserState()
         self.durable, self.cursor, self.adjuster = durable, cursor, adjuster
         self.heartbeat, self.decide, self.shm = heartbeat, decide, shm
         # Snapshots keep what every rank holds alike once per node, each rank copying its
@@ -95,7 +99,13 @@ class StateKeeper:
         state["guard"] = {"step": step, **shared, "adjust": self.adjuster.state_dict()}
         if local is not None:
             state["data"] = local
-        volatile = frozenset(t.data_ptr() for t in self.engine.forward_writes())
+        user = self.user.state()
+        if user is not None:
+            state[USER_KEY] = user
+        # The loop body may update the user's objects in place before the step's fence
+        # (a counter before guard.step): their copies land before it runs, as the buffers'.
+        written = [*self.engine.forward_writes(), *tensors_in(user)]
+        volatile = frozenset(t.data_ptr() for t in written)
         snap = self.ring.capture(step, state, self._alike(state), volatile)
         if snap is not None:
             snap.digest = self.digest()
@@ -190,6 +200,7 @@ class StateKeeper:
         local = tree.get("data")
         self.cursor.rewind(step, g, local)
         self.adjuster.load_state_dict(g["adjust"])
+        self.user.restore(snap)
         self.durable.invalidate_after(step)
         self.decide(
             "resume",

@@ -12,7 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 class _Section(BaseModel):
     # No inf or nan: a duration of .inf or .nan would silently disable what it bounds.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # Frozen: a loaded policy never changes (what the tuner changes is in tuning.Intervals).
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, allow_inf_nan=False, frozen=True
+    )
 
 
 def _auto(data: Any, placeholder: int) -> Any:

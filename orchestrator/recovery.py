@@ -40,6 +40,7 @@ from orchestrator.policy import Policy
 from orchestrator.quarantine import Ledger
 from orchestrator.retry import storage_retry
 from orchestrator.snapshot import SnapshotRing
+from orchestrator.stateful import UserState
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,10 @@ class Recovery:
         heartbeat: Heartbeat,
         health: HealthChecker | None,
         journal: Journal,
+        user: UserState | None = None,
     ) -> None:
         self.policy, self.comm, self.engine = policy, comm, engine
+        self.user = user if user is not None else UserState()
         self.ring, self.cursor, self.adjuster, self.ledger = ring, cursor, adjuster, ledger
         self.durable, self.metrics, self.heartbeat, self.health = (
             durable,
@@ -359,6 +362,7 @@ class Recovery:
         step = int(g["step"])
         data = target.materialize("data", clone=True) if "data" in target.skeleton else None
         self.cursor.rewind(step, g, data)
+        self.user.restore(target)  # the user's own objects, with the model
         self.ring.drop_after(target.step)
         self.durable.invalidate_after(target.step)
         self.rollbacks += 1

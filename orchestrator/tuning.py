@@ -150,17 +150,32 @@ class Tuner:
         return out
 
 
+@dataclass
+class Intervals:
+    """The snapshot intervals in force, in steps: the policy's, or under ``every_steps:
+    auto`` the tuner's latest choice. The policy is frozen once loaded; these are what
+    changes while training (the Guard's ring and the durable tier read them)."""
+
+    snapshot_steps: int
+    persist_steps: int | None
+
+    @classmethod
+    def of(cls, policy: Any) -> Intervals:
+        return cls(policy.snapshot.every_steps, policy.persist.every_steps)
+
+
 def resolve_auto(policy: Any) -> Any:
     """A copy of ``policy`` whose automatic intervals start at tune.initial_* (the persist
     one a multiple of the in-memory one)."""
-    p = policy.model_copy(deep=True)
-    t = p.tune
-    if p.snapshot.auto_every_steps:
-        p.snapshot.every_steps = max(t.initial_snapshot_steps, ring_min_steps(p.snapshot))
-    if p.persist.auto_every_steps:
-        snap = p.snapshot.every_steps
-        p.persist.every_steps = max(snap, round(t.initial_persist_steps / snap) * snap)
-    return p
+    t, snapshot, persist = policy.tune, policy.snapshot, policy.persist
+    if snapshot.auto_every_steps:
+        every = max(t.initial_snapshot_steps, ring_min_steps(snapshot))
+        snapshot = snapshot.model_copy(update={"every_steps": every})
+    if persist.auto_every_steps:
+        snap = snapshot.every_steps
+        every = max(snap, round(t.initial_persist_steps / snap) * snap)
+        persist = persist.model_copy(update={"every_steps": every})
+    return policy.model_copy(update={"snapshot": snapshot, "persist": persist}, deep=True)
 
 
 def ring_min_steps(snapshot: Any) -> int:

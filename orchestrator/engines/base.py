@@ -28,9 +28,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from orchestrator.errors import UsageError
 from orchestrator.snapshot import Snapshot
+from orchestrator.stateful import USER_KEY
 
 if TYPE_CHECKING:
+    from orchestrator.engines.registry import EngineArgs
     from orchestrator.policy import Policy
 
 
@@ -44,8 +47,9 @@ class Engine(ABC):
     core: torch.nn.Module
     #: When the optimizer step is applied relative to the finite check (module docstring).
     order: ClassVar[StepOrder] = StepOrder.JUDGE_THEN_APPLY
-    #: Top-level snapshot keys that differ between ranks even when the rest is replicated.
-    rank_local_keys: ClassVar[frozenset[str]] = frozenset({"rng", "data"})
+    #: Top-level snapshot keys that differ between ranks even when the rest is replicated
+    #: (the user's own objects, ``USER_KEY``, may differ too: each rank persists its own).
+    rank_local_keys: ClassVar[frozenset[str]] = frozenset({"rng", "data", USER_KEY})
     #: Optimizer steps take this many micro-batches (gradient accumulation); the Guard
     #: checks, commits and snapshots only at the boundaries.
     micro_steps_per_step: int = 1
@@ -61,6 +65,15 @@ class Engine(ABC):
     #: Gradients are reduced inside backward: a fault must poison them before it.
     _reduces_in_backward: ClassVar[bool] = False
     _poison_later = False  # a poison fault waiting for a local gradient to write into
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> Engine:
+        """Build this engine from what the user gave the Guard (the registry calls it,
+        :mod:`orchestrator.engines.registry`)."""
+        raise UsageError(
+            f"{cls.__name__} does not say how to build it from the Guard's arguments: define "
+            "its from_args classmethod, or register a factory taking EngineArgs"
+        )
 
     @property
     def name(self) -> str:

@@ -32,10 +32,12 @@ import torch.distributed as dist
 
 from orchestrator.engines.base import Engine, StepOrder
 from orchestrator.engines.inplace import Copier, copy_optimizer
+from orchestrator.engines.registry import EngineArgs
 from orchestrator.errors import UsageError
 from orchestrator.policy import Policy
 from orchestrator.rng import rng_state, set_rng_state
 from orchestrator.snapshot import Snapshot
+from orchestrator.stateful import USER_KEY
 
 #: DeepSpeed methods and attributes this adapter relies on that are not documented API, by
 #: owner. ``check_internals`` verifies them at every start, and tests/test_deepspeed.py
@@ -114,7 +116,15 @@ class DeepSpeedEngine(Engine):
     _grads_replicated = True  # the norm DeepSpeed reports is already the global one
     _rerun_grads_local = False  # gradients are reduced inside backward
     _reduces_in_backward = True
-    rank_local_keys = frozenset({"ds_engine", "ds_optim", "ds_model", "rng", "guard", "data"})
+    rank_local_keys = frozenset(
+        {"ds_engine", "ds_optim", "ds_model", "rng", "guard", "data", USER_KEY}
+    )
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> Engine:
+        from orchestrator.engines import build_deepspeed  # checks what else the Guard got
+
+        return build_deepspeed(args, cls)
 
     def __init__(self, ds: Any) -> None:
         check_internals(ds)

@@ -27,6 +27,7 @@ from orchestrator.errors import UsageError
 from orchestrator.policy import Policy
 from orchestrator.rng import rng_state
 from orchestrator.snapshot import Snapshot
+from orchestrator.stateful import USER_KEY
 
 
 def _shard_meta(name: str, t: DTensor) -> dict[str, Any]:
@@ -66,7 +67,7 @@ class FSDP2Engine(TorchEngine):
     can_reshard = True
     #: Every part of the state is this rank's own: each rank persists all of it.
     rank_local_keys = frozenset(
-        {"model", "optim", "sched", "scaler", "rng", "guard", "layout", "data"}
+        {"model", "optim", "sched", "scaler", "rng", "guard", "layout", "data", USER_KEY}
     )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from orchestrator.diagnose import low_precision
 from orchestrator.engines.base import Engine
 from orchestrator.engines.inplace import Copier, copy_module, copy_optimizer
+from orchestrator.engines.registry import EngineArgs
 from orchestrator.errors import UsageError
 from orchestrator.rng import rng_state, set_rng_state
 from orchestrator.snapshot import Snapshot
@@ -51,6 +52,16 @@ class TorchEngine(Engine):
                 UserWarning,
                 stacklevel=4,
             )
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> TorchEngine:
+        """From ``model=``, ``optimizer=`` and the optional scheduler and scaler; with
+        ``grad_accum_steps`` micro-batches per optimizer step."""
+        if args.model is None or args.optimizer is None:
+            raise UsageError("Guard needs model= and optimizer= (or engine= for DeepSpeed)")
+        adapter = cls(args.model, args.optimizer, args.scheduler, args.scaler)
+        adapter.micro_steps_per_step = args.grad_accum_steps or 1
+        return adapter
 
     def _refuse_foreign_step(self, *_: Any) -> None:
         if not self._applying:
