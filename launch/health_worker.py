@@ -15,7 +15,6 @@ import torch.distributed as dist
 
 from orchestrator.comm import Comm, exit_process
 from orchestrator.errors import EXIT_UNHEALTHY
-from orchestrator.faults import FaultInjector
 from orchestrator.health import HealthChecker
 from orchestrator.journal import Journal
 from orchestrator.policy import load_policy
@@ -34,8 +33,11 @@ def main() -> int:
         dist.init_process_group("nccl" if cuda else "gloo")
     comm = Comm()
     journal = Journal(run_dir, comm.global_rank, int(os.environ.get(ENV_ATTEMPT, "0")))
-    faults = FaultInjector(policy.faults, comm.global_rank, run_dir, journal)
-    checker = HealthChecker(policy.health, comm, faults, run_dir)
+    checker = HealthChecker(policy.health, comm, run_dir)
+    if policy.faults:  # a drill: the health faults wrap the checker
+        from orchestrator.faults import FaultInjector, wrap_health
+
+        wrap_health(checker, FaultInjector(policy.faults, comm.global_rank, run_dir, journal))
     report = checker.run("standalone")
     if comm.rank == 0:
         print(report.table(), flush=True)

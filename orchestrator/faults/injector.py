@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from orchestrator.diagnose import install_nan_module
+from orchestrator.faults.model import install_nan_module
 from orchestrator.journal import Journal, read_journal
 from orchestrator.protocol import ENV_SUPERVISOR_PID
 from orchestrator.store import step_dir
