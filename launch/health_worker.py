@@ -18,7 +18,7 @@ from orchestrator.errors import EXIT_UNHEALTHY
 from orchestrator.health import HealthChecker
 from orchestrator.journal import Journal
 from orchestrator.policy import load_policy
-from orchestrator.protocol import ENV_ATTEMPT, ENV_RUN_DIR
+from orchestrator.protocol import ENV_ATTEMPT, ENV_FAULTS, ENV_RUN_DIR
 
 REPORT = "health.json"
 
@@ -34,10 +34,11 @@ def main() -> int:
     comm = Comm()
     journal = Journal(run_dir, comm.global_rank, int(os.environ.get(ENV_ATTEMPT, "0")))
     checker = HealthChecker(policy.health, comm, run_dir)
-    if policy.faults:  # a drill: the health faults wrap the checker
-        from orchestrator.faults import FaultInjector, wrap_health
+    if policy.faults or os.environ.get(ENV_FAULTS):  # a drill: its faults wrap the checker
+        from orchestrator.faults import FaultInjector, requested, wrap_health
 
-        wrap_health(checker, FaultInjector(policy.faults, comm.global_rank, run_dir, journal))
+        faults = requested(policy)
+        wrap_health(checker, FaultInjector(faults, comm.global_rank, run_dir, journal))
     report = checker.run("standalone")
     if comm.rank == 0:
         print(report.table(), flush=True)

@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from inproc import Regression
+import yaml
+from inproc import Regression, events, train
 
-from orchestrator import Guard, parse_policy
+from conftest import assert_bitwise_equal
+from orchestrator import Guard, PolicyError, parse_policy
 from orchestrator.engines import Engine, FSDP1Engine, FSDP2Engine, TorchEngine
+from orchestrator.protocol import ENV_FAULTS
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,3 +87,30 @@ def test_a_guard_without_faults_wraps_nothing_and_one_with_faults_wraps(
         assert "open" in vars(guard.cursor)
     finally:
         guard.close()
+
+
+def test_faults_from_their_own_file_act_as_the_policys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drill's way: the policy holds no faults, $ORCHESTRATOR_FAULTS names a file with
+    them; the run is the one whose policy held them (incident, journal, final state)."""
+    exact = {"adjust": {"lr_factor": 1.0}, "quarantine": {"enabled": False}}
+    faults = [{"kind": "inf_loss", "step": 7}, {"kind": "nan_grad", "step": 12}]
+    _, in_policy, outcomes = train(tmp_path / "policy", {**exact, "faults": faults}, steps=16)
+    path = tmp_path / "faults.yaml"
+    path.write_text(yaml.safe_dump(faults))
+    monkeypatch.setenv(ENV_FAULTS, str(path))
+    _, apart, outcomes_apart = train(tmp_path / "apart", exact, steps=16)
+    assert outcomes_apart == outcomes and outcomes.count("incident") == 2
+    assert_bitwise_equal(in_policy, apart)
+    keys = {"fault": ("key", "fault"), "incident": ("reason", "per_rank"),
+            "rollback": ("from_step", "to_step")}  # fmt: skip
+    for kind, said in keys.items():
+        runs = [
+            [(e["step"], [e["details"][k] for k in said]) for e in events(tmp_path / run, kind)]
+            for run in ("policy", "apart")
+        ]
+        assert runs[0] == runs[1] and len(runs[0]) == 2, kind
+    path.write_text("- {kind: nan_grad}\n")  # no step: refused, naming the file
+    with pytest.raises(PolicyError, match="ORCHESTRATOR_FAULTS"):
+        train(tmp_path / "bad", exact, steps=2)

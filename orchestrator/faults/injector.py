@@ -1,4 +1,5 @@
-"""Fault injection for drills and tests (policy ``faults``; empty by default).
+"""What each fault does, and when it fires (policy ``faults``; empty by default). Where it
+acts is in :mod:`orchestrator.faults.step` and :mod:`orchestrator.faults.parts`.
 
 A poisoned sample makes the loss of every batch holding it non-finite, every time it is
 seen. Every other fault fires once per run directory: firing is journaled (``fault``) by the
