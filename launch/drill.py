@@ -1,8 +1,8 @@
 """`orchestrator drill`: every fault on every engine, on this machine and its storage.
 
 Before trusting a month-long run to it, run the matrix: each cell trains the example GPT
-under the supervisor (``orchestrator launch``) with one fault injected through the policy's
-``faults``, in a run directory of its own, and is judged against a clean run of the same
+under the supervisor (``orchestrator launch``) with one fault injected, in a run directory
+of its own, and is judged against a clean run of the same
 engine: did it survive (or stop with the documented exit code), is its final state bit for
 bit the clean run's where the fault promises it, how long from the fault to the next
 completed step, how many steps were recomputed, and whether any committed snapshot or
@@ -12,7 +12,8 @@ The user's policy (``--policy``) is the base, so the drill exercises their stora
 (``persist.url``: each cell writes under ``<url>/drill/<engine>/<fault>``), signing key and
 retry settings; the drill sets what makes cells short and comparable: snapshots every 5
 steps, durable writes every 10, supervisor timings of seconds, and no LR change after an
-incident (``adjust.lr_factor: 1``, so a replay can be compared bit for bit).
+incident (``adjust.lr_factor: 1``, so a replay can be compared bit for bit). The cell's
+fault list is a file of its own (``$ORCHESTRATOR_FAULTS``), apart from the policy it tests.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import yaml
 from orchestrator.errors import EXIT_GAVE_UP, EXIT_PREEMPTED, EXIT_UNHEALTHY
 from orchestrator.journal import read_journal, read_metrics
 from orchestrator.policy import load_policy, parse_policy
-from orchestrator.protocol import LEDGER_NAME
+from orchestrator.protocol import ENV_FAULTS, LEDGER_NAME
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MARKER = "drill.json"  # an --out folder holding this is a drill's: it may be reused
@@ -204,9 +205,9 @@ class Drill:
             policy = _merge(policy, {"persist": {"url": url}})
         if fault is not None:
             policy = _merge(policy, fault.policy)
-            policy["faults"] = fault.faults(self.nproc)
-        else:
-            policy["faults"] = []
+            # Its faults travel apart from the policy (the cell's faults file): check them too.
+            parse_policy({"faults": fault.faults(self.nproc)}, source=f"<drill {name}>")
+        policy["faults"] = []
         parse_policy(policy, source=f"<drill {engine.name}/{name}>")  # fails here, not in a rank
         return policy, url
 
@@ -219,8 +220,13 @@ class Drill:
             "--steps", str(self.steps), "--save-final", str(run_dir / "final"),
         ]  # fmt: skip
 
-    def _start(self, cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    def _start(
+        self, cmd: list[str], log: Path, faults: Path | None = None
+    ) -> subprocess.Popen[bytes]:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        env.pop(ENV_FAULTS, None)  # a clean run is clean
+        if faults is not None:
+            env[ENV_FAULTS] = str(faults)
         with open(log, "ab") as f:
             return subprocess.Popen(
                 cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -263,6 +269,8 @@ class Drill:
         policy, url = self._policy(engine, fault.name, fault)
         path = run_dir.parent / f"{fault.name}.yaml"
         path.write_text(yaml.safe_dump(policy))
+        faults = run_dir.parent / f"{fault.name}.faults.yaml"
+        faults.write_text(yaml.safe_dump(fault.faults(self.nproc)))
         log = run_dir.parent / f"{fault.name}.log"
         expected = "exit 0" if fault.expect == 0 else f"exit {fault.expect}"
         if fault.again:
@@ -270,9 +278,9 @@ class Drill:
         c = Cell(engine.name, fault.name, fault.what, expected, run_dir=str(run_dir))
         t0 = time.monotonic()
         cmd = self._cmd(engine, run_dir, path)
-        c.exit_codes.append(self._wait(self._start(cmd, log)))
+        c.exit_codes.append(self._wait(self._start(cmd, log, faults)))
         if fault.again and c.exit_codes[0] == fault.expect:
-            c.exit_codes.append(self._wait(self._start(cmd, log)))  # the same command again
+            c.exit_codes.append(self._wait(self._start(cmd, log, faults)))  # the same again
         c.seconds = round(time.monotonic() - t0, 1)
         want = [fault.expect, 0] if fault.again else [fault.expect]
         survived = c.exit_codes == want

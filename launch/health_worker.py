@@ -15,11 +15,10 @@ import torch.distributed as dist
 
 from orchestrator.comm import Comm, exit_process
 from orchestrator.errors import EXIT_UNHEALTHY
-from orchestrator.faults import FaultInjector
 from orchestrator.health import HealthChecker
 from orchestrator.journal import Journal
 from orchestrator.policy import load_policy
-from orchestrator.protocol import ENV_ATTEMPT, ENV_RUN_DIR
+from orchestrator.protocol import ENV_ATTEMPT, ENV_FAULTS, ENV_RUN_DIR
 
 REPORT = "health.json"
 
@@ -34,8 +33,12 @@ def main() -> int:
         dist.init_process_group("nccl" if cuda else "gloo")
     comm = Comm()
     journal = Journal(run_dir, comm.global_rank, int(os.environ.get(ENV_ATTEMPT, "0")))
-    faults = FaultInjector(policy.faults, comm.global_rank, run_dir, journal)
-    checker = HealthChecker(policy.health, comm, faults, run_dir)
+    checker = HealthChecker(policy.health, comm, run_dir)
+    if policy.faults or os.environ.get(ENV_FAULTS):  # a drill: its faults wrap the checker
+        from orchestrator.faults import FaultInjector, requested, wrap_health
+
+        faults = requested(policy)
+        wrap_health(checker, FaultInjector(faults, comm.global_rank, run_dir, journal))
     report = checker.run("standalone")
     if comm.rank == 0:
         print(report.table(), flush=True)

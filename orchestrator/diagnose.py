@@ -6,9 +6,6 @@ re-run only: the first module, in execution order, whose forward output holds a 
 value is the origin; if every output was finite, the first module in backward order whose
 input gradient is non-finite (where the re-run runs backward). Cost: zero in healthy steps
 (no hook exists then), a few microseconds per module during that one re-run.
-
-Also the ``nan_module`` fault: a forward hook that turns a named module's output NaN at a
-given step (and in the re-runs of that step's incident), a deterministic origin to find.
 """
 
 from __future__ import annotations
@@ -20,8 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-
-from orchestrator.errors import PolicyError
 
 
 def _nonfinite(obj: Any) -> bool:
@@ -85,27 +80,6 @@ class ModuleLocator:
         if self.backward_hit is not None:
             return {"module": self.backward_hit, "direction": "backward"}
         return None
-
-
-def install_nan_module(root: nn.Module, module: str, armed: Callable[[], bool]) -> RemovableHandle:
-    """The ``nan_module`` fault: ``module``'s output turns NaN whenever ``armed()``."""
-    modules = dict(root.named_modules())
-    if module not in modules:
-        near = [n for n in modules if n.split(".")[-1] == module.split(".")[-1]][:5]
-        raise PolicyError(
-            f"faults: nan_module names module {module!r}, which the model does not have"
-            + (f" (similar: {near})" if near else "")
-            + "; use a name from model.named_modules()"
-        )
-
-    def hook(mod: nn.Module, inputs: Any, output: Any) -> Any:
-        if not armed():
-            return None
-        if isinstance(output, tuple):  # e.g. MultiheadAttention: (output, weights)
-            return (output[0] * float("nan"), *output[1:])
-        return output * float("nan")
-
-    return modules[module].register_forward_hook(hook)
 
 
 def low_precision(root: nn.Module) -> bool:

@@ -19,7 +19,6 @@ from orchestrator.comm import Comm
 from orchestrator.detect import PERSIST_BUSY, PERSIST_FAILED, PERSIST_REQUEST
 from orchestrator.engines import Engine
 from orchestrator.errors import PersistError
-from orchestrator.faults import FaultInjector
 from orchestrator.journal import Journal
 from orchestrator.policy import Policy
 from orchestrator.protocol import local_tier_key
@@ -42,7 +41,6 @@ class DurableTier:
         engine: Engine,
         run_dir: str,
         journal: Journal,
-        faults: FaultInjector,
         event: Callable[..., None],
         shm: ShmSlots | None = None,
         intervals: Intervals | None = None,
@@ -54,12 +52,10 @@ class DurableTier:
         self.refused: list[str] = []  # why newer snapshots were not resumed from
         self.comm = comm
         self.engine = engine
-        self.faults = faults
         self.event = event  # journals a collective decision once (rank 0)
         self.store = DurableStore(
             self.policy.url or default_url(run_dir),
             key=signing_key(self.policy.signing_key_file),
-            hook=faults.persist_phase,
         )
         self.local = (
             self._local_tier(run_dir) if self.policy.enabled and self.policy.local_dir else None
@@ -74,7 +70,6 @@ class DurableTier:
                 comm.world_size,
                 journal,
                 extra=self._extra,
-                faults=faults,
                 local=self.local,
             )
         self.submitted = 0  # writes handed to the writer by on_sealed (the tuner counts them)
@@ -386,7 +381,6 @@ class DurableTier:
                     )
 
                 def reshard() -> dict[str, Any]:
-                    self.faults.storage("read", step)
                     store.validate_files(step, manifest, saved)
                     parts = [store.load_part(step, r) for r in saved]
                     return self.engine.reshard(parts, saved.index(own))
@@ -397,7 +391,6 @@ class DurableTier:
             first = own if sharded else shared_rank
 
             def read() -> dict[str, Any]:
-                self.faults.storage("read", step)
                 store.validate_files(step, manifest, sorted({first, own}))
                 tree = store.load_part(step, first)
                 if own != first:

@@ -1,6 +1,7 @@
 """The policy's ``faults`` list: one pydantic model per fault kind, told apart by ``kind``.
 
-What each fault does is in :mod:`orchestrator.faults`; these models only validate the YAML.
+What each fault does is in :mod:`orchestrator.faults`; these models only validate the YAML
+(test-only: drills and tests; production policies leave the list empty).
 """
 
 from __future__ import annotations

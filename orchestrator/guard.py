@@ -42,10 +42,10 @@ from orchestrator.cursor import DataCursor
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine, engine_for
 from orchestrator.errors import RunStop, UsageError
-from orchestrator.faults import FaultInjector
 from orchestrator.health import HealthChecker
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.incident import Incident
+from orchestrator.inject import inject
 from orchestrator.investigate import Investigation
 from orchestrator.journal import Decisions, Journal, per_attempt, read_journal
 from orchestrator.keeper import StateKeeper
@@ -102,8 +102,8 @@ class Guard:
             the arguments above (docs/engines.md).
         process_group: the group whose ranks decide together (default: the world group when
             torch.distributed is initialized, else single-process).
-        run_dir: journal, ledger and fault memory; default $ORCHESTRATOR_RUN_DIR, else a fresh
-            ``./runs/<time>-<pid>`` chosen by rank 0.
+        run_dir: journal, ledger and what drills injected; default $ORCHESTRATOR_RUN_DIR, else
+            a fresh ``./runs/<time>-<pid>`` chosen by rank 0.
         grad_accum_steps: micro-batches per optimizer step: one batch each, ``guard.step``
             returns ``"accumulate"`` until the last (the only one that communicates); each
             loss is divided by it, as DeepSpeed does (whose config sets it instead).
@@ -165,7 +165,6 @@ class Guard:
                 reserve_bytes=0 if self.shm else reserve,
             )
             self.adjuster = LRAdjuster(p.adjust)
-            self.faults = FaultInjector(p.faults, comm.global_rank, self.run_dir, self.journal)
             ledger = Ledger(p.quarantine.ledger_url or os.path.join(self.run_dir, LEDGER_NAME))
             # Rank 0 reads, every rank gets the same set: shards must never overlap. Entries
             # an earlier process quarantined but could not write count as well.
@@ -180,9 +179,15 @@ class Guard:
             self._probing = False  # running a crash probe (forward only)
             self.cursor = DataCursor(comm, in_ledger, p.quarantine.window_steps)
             self.durable = DurableTier(
-                p, comm, self.engine, self.run_dir, self.journal, self.faults, self._event,
-                self.shm, intervals=self.intervals,
-            )  # fmt: skip
+                p,
+                comm,
+                self.engine,
+                self.run_dir,
+                self.journal,
+                self._event,
+                self.shm,
+                intervals=self.intervals,
+            )
             self.heartbeat = Heartbeat(
                 self.run_dir,
                 comm.global_rank,
@@ -220,10 +225,7 @@ class Guard:
                 ),
                 on_low=lambda step, low: self._decide("update_ratio_low", step, **low),
             )  # fmt: skip
-            self.faults.install_module_faults(
-                self.engine.core, lambda: self.global_step, lambda: self.investigation.incident_step
-            )
-            self.health = HealthChecker.for_policy(p, comm, self.faults, self.run_dir)
+            self.health = HealthChecker.for_policy(p, comm, self.run_dir)
             self.investigation = Investigation(p, comm, self.engine, self._decide)
             self.recovery = Recovery(
                 p, comm, self.engine, ring=self.ring, cursor=self.cursor, adjuster=self.adjuster,
@@ -257,6 +259,7 @@ class Guard:
             self._history = self._job_history() if self.tuner.active else _History()
             self._write_cost = self._history.write_cost  # training lost per durable write
             self.lifecycle.on_loop_error = self._loop_error  # an uncaught one, at exit
+            inject(self)  # drills and tests: wraps the components their policy perturbs
             self.lifecycle.start(len(in_ledger), lambda: self.global_step)
         except BaseException:
             self._abandon_start()
@@ -372,10 +375,8 @@ class Guard:
                 return
             self.cursor.open(loader, self.recovery.ledger.url)
             step = self.global_step
-            if self._micro == 0:
-                self.faults.perturb_params(step, self.engine.core)
-                if step % every == 0 and not self.ring.has(step):
-                    self.keeper.capture(step)
+            if self._micro == 0 and step % every == 0 and not self.ring.has(step):
+                self.keeper.capture(step)
             fetched = self.cursor.fetch()
             if fetched is None:
                 continue  # end of an epoch
@@ -408,8 +409,6 @@ class Guard:
         self._phase = "backward"
         real = not self.investigation.active and not self._probing
         self.heartbeat.enter("backward")
-        micro = self._micro if real else 0
-        loss = self.faults.on_loss(loss, self.global_step, self._cur_ids, real, micro)
         if self._probing:
             return  # a crash probe: the forward was the test
         detached = loss.detach()
@@ -420,7 +419,7 @@ class Guard:
         self._phase = "backward"
         if not real and not self.investigation.needs_backward:
             return  # a re-run judged by its loss alone needs no gradients
-        self.engine.backward(loss, real and self.faults.grad_fault(self.global_step, micro))
+        self.engine.backward(loss)
 
     def step(self, loss: torch.Tensor | None = None) -> str:
         """Finite check, then commit or the incident pipeline. Must follow backward().
@@ -547,12 +546,9 @@ class Guard:
         self.ring.fence()  # snapshot copies in flight must land before anything mutates
         if self.comm.rank == 0 and self.metrics.ratio_due(self.global_step):
             self.metrics.before_update(list(self.engine.core.parameters()))
-        self.faults.process_faults(self.global_step, self.durable.settle)
-        if self.shm is not None and self.faults.corrupt_shm_due(self.global_step):
-            self.shm.corrupt(self.ring.newest(lambda s: s.sealed))
         snap = self.ring.at(self.global_step)  # taken at this step: its digest is compared
         digest = snap.digest if snap is not None and snap.agreed is None else None
-        mult = self.adjuster.multiplier() * self.faults.lr_factor(self.global_step)
+        mult = self.adjuster.multiplier()
         grads = self.engine.judge(mult)
         loss = self._loss if gas == 1 else self._loss / gas
         ratio = self.metrics.pending()  # the last measured update ratio (rank 0)

@@ -55,7 +55,6 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.comm import Comm
-from orchestrator.faults import FaultInjector
 from orchestrator.policy import Policy
 from orchestrator.policy_sections import HealthPolicy
 from orchestrator.rundir import write_atomic
@@ -205,23 +204,18 @@ class HealthChecker:
     together."""
 
     @classmethod
-    def for_policy(
-        cls, policy: Policy, comm: Comm, faults: FaultInjector, run_dir: str
-    ) -> HealthChecker | None:
+    def for_policy(cls, policy: Policy, comm: Comm, run_dir: str) -> HealthChecker | None:
         """A checker if the policy runs health checks anywhere (preflight, on incidents, or
         as a diagnosis action), else None."""
         h, d = policy.health, policy.diagnose
         actions = d.actions.values()
         if h.preflight or h.on_incident or (d.rerun and any("health" in a for a in actions)):
-            return cls(h, comm, faults, run_dir)
+            return cls(h, comm, run_dir)
         return None
 
-    def __init__(
-        self, policy: HealthPolicy, comm: Comm, faults: FaultInjector, run_dir: str | None
-    ) -> None:
+    def __init__(self, policy: HealthPolicy, comm: Comm, run_dir: str | None) -> None:
         self.policy = policy
         self.comm = comm
-        self.faults = faults
         self.run_dir = run_dir
         self.host = socket.gethostname()
         self.group: dist.ProcessGroup | None = None
@@ -275,12 +269,10 @@ class HealthChecker:
         about ``health.timeout_s`` (a rank absent or stopped is named, not waited for).
         Collective: call it on every rank of the group."""
         t0 = time.perf_counter()
-        self.faults.miss_health()  # a drill: this rank never comes
         start = time.monotonic()
         self._round += 1
         self._deadline = start + _COLLECTIVE_SHARE * self.policy.timeout_s
         self._call(f"{self._round}/{self.comm.rank}", "here")
-        self.faults.miss_health(entered=True)  # a drill: this rank freezes inside the check
         checks: dict[str, dict[str, Any]] = {
             "compute": self._compute(),
             "memory": self._memory(),
@@ -502,10 +494,7 @@ class HealthChecker:
         return (base % 1021) * (rank + 1) + rank
 
     def _mine(self) -> torch.Tensor:
-        t = self._pattern(self.comm.rank)
-        if self.faults.corrupt_collectives:
-            t[_PATTERN // 2] += 1.0  # one wrong value, as a flipped bit would make
-        return t
+        return self._pattern(self.comm.rank)
 
     def _all_reduce(self, t: torch.Tensor) -> None:
         self._settle(dist.all_reduce(t, group=self.group, async_op=True), t)
@@ -552,8 +541,7 @@ class HealthChecker:
         for _ in range(self.policy.bandwidth_reps):
             self._all_reduce(torch.zeros(1, device=self.device))  # a barrier, bounded
             t0 = time.perf_counter()
-            if self.faults.slow_factor > 1.0 and times:
-                time.sleep((self.faults.slow_factor - 1.0) * times[-1])  # a slow rank/link
+            self._pace(times)
             t1 = time.perf_counter()
             self._all_reduce(buf)  # complete on the device when it returns
             t2 = time.perf_counter()
@@ -573,10 +561,7 @@ class HealthChecker:
         n = self.policy.compute_size
         g = torch.Generator(device="cpu").manual_seed(1234)
         a = torch.randn(n, n, generator=g).to(self.device)
-        with ieee_fp32():  # TF32 (or bf16 on CPU) would miss the threshold on every rank
-            c = a @ a
-        if self.faults.flaky_compute:
-            c[n // 2, n // 3] += 1.0
+        c = self._product(a)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         ref = a.double() @ a.double()
@@ -584,6 +569,16 @@ class HealthChecker:
         digest = hashlib.sha256(c.cpu().numpy().tobytes()).hexdigest()[:16]
         # fp32 accumulation over n terms: about n * 2^-24 relative, far below this.
         return {"ok": err < 1e-3, "max_rel_error": err, "checksum": digest}
+
+    def _product(self, a: torch.Tensor) -> torch.Tensor:
+        """The self-test's matmul (``a @ a``), at IEEE fp32."""
+        with ieee_fp32():  # TF32 (or bf16 on CPU) would miss the threshold on every rank
+            return a @ a
+
+    def _pace(self, times: list[float]) -> None:
+        """Called as each timed repetition of the bandwidth check starts (``times``: the
+        repetitions before it); the time spent here counts, the wait does not. Nothing in a
+        real check: a drill slows a rank down here."""
 
     def _memory(self) -> dict[str, Any]:
         n = int(self.policy.memory_mb * 2**20)

@@ -110,7 +110,9 @@ class Policy(_Section):
     export: ExportPolicy = Field(default_factory=ExportPolicy)  # type: ignore[arg-type]
     alerts: AlertsPolicy = Field(default_factory=AlertsPolicy)  # type: ignore[arg-type]
     faults: list[Fault] = Field(
-        default_factory=list, description="Fault injection for drills and tests (off: empty)."
+        default_factory=list,
+        description="Test-only: fault injection for drills and tests (empty: no fault code "
+        "runs; orchestrator/faults/ wraps the components the faults perturb).",
     )
 
     @model_validator(mode="after")

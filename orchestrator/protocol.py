@@ -26,6 +26,9 @@ ENV_SHM_DIR = "ORCHESTRATOR_SHM_DIR"
 # The key that signs durable manifests (HMAC-SHA256); persist.signing_key_file otherwise.
 ENV_SIGNING_KEY = "ORCHESTRATOR_SIGNING_KEY"
 ENV_ALLOW_GLOBALS = "ORCHESTRATOR_ALLOW_GLOBALS"  # more classes engine files may hold
+# Test-only: a YAML file with a list of faults (the policy's ``faults`` format), injected
+# besides the policy's own: the drill keeps its faults apart from the policy it tests.
+ENV_FAULTS = "ORCHESTRATOR_FAULTS"
 
 # --- worker exit codes (README "Exit codes"); the supervisor classifies on them -------------
 EXIT_OK = 0

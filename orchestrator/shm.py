@@ -502,23 +502,6 @@ class ShmSlots:
                     sealing[1].set()
                 sealing[0].join()
 
-    def corrupt(self, snap: Snapshot | None) -> None:
-        """The ``corrupt_shm`` fault: flip bytes in the middle of this rank's part of
-        ``snap``'s slot (its largest share of the node part, else its own file) after its
-        verdict is written (the in-process ring shares them: a test fault, not a drill)."""
-        self.join()
-        if snap is None:
-            return
-        mapped, at, n = self._maps[snap.slot], 0, 0
-        share = self._share[snap.slot]
-        if self._node_maps[snap.slot] is not None and share:
-            mapped, (at, n) = self._node_maps[snap.slot], max(share, key=lambda s: s[1])
-        elif mapped is not None:
-            n = mapped.numel()
-        if mapped is not None and n >= 8:
-            mid = at + n // 2 - 4
-            mapped[mid : mid + 8] ^= 0xFF
-
     # --- reading back (a restart) ---------------------------------------------------------
     def candidates(self) -> tuple[dict[int, tuple[int, str]], list[str]]:
         """({step: (slot, timeline)} of this rank's slots with a verdict, why the others

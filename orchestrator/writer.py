@@ -16,7 +16,6 @@ from typing import Any
 
 from tenacity import RetryCallState, Retrying
 
-from orchestrator.faults import FaultInjector
 from orchestrator.journal import Journal
 from orchestrator.logs import RankLogger
 from orchestrator.policy_sections import PersistPolicy
@@ -74,7 +73,6 @@ class Persister:
         world_size: int,
         journal: Journal,
         extra: dict[str, Any],
-        faults: FaultInjector,
         local: LocalTier | None = None,
     ) -> None:
         self.policy = policy
@@ -85,7 +83,6 @@ class Persister:
         self.world_size = world_size
         self.journal = journal
         self.extra = extra
-        self.faults = faults
         self.failed = False  # a write ran out of retries (read by the training thread)
         self.done: set[int] = set()  # steps whose write (rank 0: commit) succeeded
         self._q: queue.Queue[_Write | _Invalidate | _Discard | None] = queue.Queue()
@@ -256,7 +253,6 @@ class Persister:
             self._persist_local(task)
 
         def write() -> int:
-            self.faults.storage("write", snap.step)
             return self.store.write_part(
                 snap,
                 self.rank,
@@ -300,13 +296,7 @@ class Persister:
     def _after_commit(
         self, snap: Snapshot, manifest: dict[str, Any], nbytes: int, written: float, t0: float
     ) -> None:
-        """Journal a committed write and apply retention (and the faults that act on a
-        committed snapshot)."""
-        if self.faults.truncate_due(snap.step):
-            self.faults.truncate(self.store, snap.step)
-        how = self.faults.corrupt_manifest_due(snap.step)
-        if how is not None:
-            self.faults.corrupt_manifest(self.store, snap.step, how)
+        """Journal a committed write and apply retention."""
         self.journal.write(
             "persist",
             snap.step,

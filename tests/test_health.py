@@ -193,7 +193,6 @@ def test_compute_check_runs_at_ieee_fp32_and_restores_the_scripts_setting(
     import torch
 
     from orchestrator.comm import Comm
-    from orchestrator.faults import FaultInjector
     from orchestrator.health import HealthChecker, ieee_fp32
     from orchestrator.journal import Journal
     from orchestrator.policy import parse_policy
@@ -227,8 +226,7 @@ def test_compute_check_runs_at_ieee_fp32_and_restores_the_scripts_setting(
         assert settings() == theirs
         policy = parse_policy({"health": {"memory_mb": 1}})
         journal = Journal(str(tmp_path), 0, 0)
-        faults = FaultInjector(policy.faults, 0, str(tmp_path), journal)
-        checker = HealthChecker(policy.health, Comm(), faults, str(tmp_path))
+        checker = HealthChecker(policy.health, Comm(), str(tmp_path))
         report = checker.run("preflight")
         checker.close()
         journal.close()

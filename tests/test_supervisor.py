@@ -94,7 +94,7 @@ def test_hang_is_detected_and_restarted(tmp_path: Path) -> None:
     assert "distributed_c10d.py" in stacks["rank0.txt"]  # waiting in the all-reduce
     (culprit,) = hang["details"]["culprits"]
     assert culprit["rank"] == 1 and culprit["host"] == socket.gethostname()
-    assert "faults.py" in culprit["frame"] and "process_faults" in culprit["frame"]
+    assert "faults/injector.py" in culprit["frame"] and "process_faults" in culprit["frame"]
     assert hang["time"] - fault["time"] <= hang_timeout + 5
     assert kinds(d, "restart")[0]["details"]["cause"] == "hang"
     assert kinds(d, "run_end")[-1]["details"]["steps"] == 50

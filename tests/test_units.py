@@ -477,6 +477,7 @@ def test_shm_slots_seal_verify_and_withdraw(tmp_path: Path) -> None:
     a 0-d tensor, plain values); bytes changed after sealing are refused by checksum; a
     rollback's drop withdraws the verdict; a held slot gets a new file and the old mapping
     keeps its bytes."""
+    from orchestrator.faults import corrupt_slot
     from orchestrator.shm import ShmSlots
     from orchestrator.snapshot import SnapshotRing
 
@@ -501,7 +502,7 @@ def test_shm_slots_seal_verify_and_withdraw(tmp_path: Path) -> None:
     assert torch.equal(back["w"], state["w"]) and back["w"].dtype == torch.bfloat16
     assert torch.equal(back["mask"], state["mask"]) and back["count"].item() == 7
     assert back["groups"] == [{"lr": 0.1, "betas": (0.9, 0.95)}]
-    shm.corrupt(snap)
+    corrupt_slot(shm, snap)
     assert "checksum" in (shm.check(0) or "")
     # A second snapshot in slot 1, sealed; a rollback to before it withdraws its verdict.
     snap2 = ring.capture(20, state)
@@ -701,6 +702,7 @@ def test_state_held_alike_is_kept_once_per_node_each_rank_copying_its_share(
     is refused by the rank whose share holds it; a snapshot handed to durable storage never
     has its node file written again; ranks whose own keys differ in shape still agree on
     the node file."""
+    from orchestrator.faults import corrupt_slot
     from orchestrator.shm import ShmSlots
     from orchestrator.snapshot import SnapshotRing
 
@@ -759,7 +761,7 @@ def test_state_held_alike_is_kept_once_per_node_each_rank_copying_its_share(
     slots[1].seal(snaps[1], on_error=lambda err: pytest.fail(repr(err)), plan={})
     slots[1].join()
     # A flipped byte in rank 1's share: rank 1 refuses it, rank 0's share is intact.
-    slots[1].corrupt(snaps[1])
+    corrupt_slot(slots[1], snaps[1])
     assert "node checksum" in (slots[1].check(0) or "") and slots[0].check(0) is None
     # Slot 1, then slot 0 again after its snapshot was handed to durable storage: a new node
     # file (a writer may still read the old one), the same on both ranks, even though rank

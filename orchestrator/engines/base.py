@@ -43,7 +43,7 @@ class StepOrder(enum.Enum):
 
 
 class Engine(ABC):
-    #: The model as the user built it (unwrapped): forensics hooks and faults attach here.
+    #: The model as the user built it (unwrapped): forensics hooks attach here.
     core: torch.nn.Module
     #: When the optimizer step is applied relative to the finite check (module docstring).
     order: ClassVar[StepOrder] = StepOrder.JUDGE_THEN_APPLY
@@ -62,9 +62,9 @@ class Engine(ABC):
     _grads_replicated: ClassVar[bool] = True
     #: Gradients left by a re-run under ``local_grads()`` are this rank's own.
     _rerun_grads_local: ClassVar[bool] = True
-    #: Gradients are reduced inside backward: a fault must poison them before it.
+    #: Gradients are reduced inside backward: what must reach a local gradient does so
+    #: through a parameter hook, before backward (after it there is none left).
     _reduces_in_backward: ClassVar[bool] = False
-    _poison_later = False  # a poison fault waiting for a local gradient to write into
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> Engine:
@@ -90,16 +90,10 @@ class Engine(ABC):
         del policy
 
     # --- the step (template methods) -------------------------------------------------------
-    def backward(self, loss: torch.Tensor, poison: bool = False) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
         """Backward pass of ``loss`` (scaled where the engine scales, and by 1 /
-        ``micro_steps_per_step``); with ``poison`` (a fault), a NaN lands in one local
-        gradient before any unscaling."""
-        poison, self._poison_later = poison or self._poison_later, False
-        if poison and self._reduces_in_backward:
-            self._poison_grad()
+        ``micro_steps_per_step``)."""
         self._backward(loss)
-        if poison and not self._reduces_in_backward and not self._poison_grad():
-            self._poison_later = True  # no local gradient yet (between micro-batches)
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Around the forward and backward of a micro-batch that is not the last of its
@@ -160,10 +154,6 @@ class Engine(ABC):
     # --- hooks ----------------------------------------------------------------------------
     @abstractmethod
     def _backward(self, loss: torch.Tensor) -> None: ...
-
-    @abstractmethod
-    def _poison_grad(self) -> bool:
-        """Write a NaN into one local gradient; False if there is none to write into."""
 
     @abstractmethod
     def _apply(self, lr_multiplier: float, overflow: bool | None = None) -> None:

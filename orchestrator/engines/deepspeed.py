@@ -153,7 +153,6 @@ class DeepSpeedEngine(Engine):
         self.inner.register_step_post_hook(self._unscale_lr)
         self._norm = torch.zeros((), device=ds.device)  # the last step's global norm
         self._applied = True
-        self._poison: Any = None
         if self.stage3 and self.dp_rank == self.dp_size - 1:
             self._zero_stage3_padding()
 
@@ -220,25 +219,7 @@ class DeepSpeedEngine(Engine):
 
     def _backward(self, loss: torch.Tensor) -> None:
         # DeepSpeed scales by 1/gas and defers its reduction to the boundary itself.
-        try:
-            self.ds.backward(loss)
-        finally:
-            if self._poison is not None:
-                self._poison.remove()
-                self._poison = None
-
-    def _poison_grad(self) -> bool:
-        """A one-shot hook on the first trainable parameter puts a NaN in its gradient
-        before DeepSpeed's reduction sees it."""
-        param = next(p for p in self.ds.module.parameters() if p.requires_grad)
-
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            grad = grad.clone()
-            grad.view(-1)[0] = float("nan")
-            return grad
-
-        self._poison = param.register_hook(hook)
-        return True
+        self.ds.backward(loss)
 
     def accumulate(self) -> None:
         self.ds.step()  # not a boundary: DeepSpeed only counts the micro-step

@@ -85,16 +85,6 @@ class FSDP2Engine(TorchEngine):
             "optim_params": [names.get(id(p)) for p in self._params()],
         }
 
-    def _poison_grad(self) -> bool:
-        # Between micro-batches FSDP2 keeps gradients unsharded in its own buffers: none here
-        # then, and the base class retries after the next backward.
-        for p in self._params():
-            if p.grad is not None and _local(p.grad).numel() > 0:
-                with torch.no_grad():
-                    _local(p.grad).view(-1)[0] = float("nan")
-                return True
-        return False
-
     def grads(self) -> list[torch.Tensor]:
         self._unscale()
         return [_local(p.grad) for p in self._params() if p.grad is not None]

@@ -101,14 +101,6 @@ class TorchEngine(Engine):
         # DDP decides in forward whether backward all-reduces: what DDP.no_sync() sets.
         return self.local_grads()
 
-    def _poison_grad(self) -> bool:
-        for p in self._params():
-            if p.grad is not None and p.grad.numel() > 0:
-                with torch.no_grad():
-                    p.grad.view(-1)[0] = float("nan")
-                return True
-        return False
-
     def grads(self) -> list[torch.Tensor]:
         self._unscale()
         return [p.grad for p in self._params() if p.grad is not None]

@@ -31,9 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from orchestrator import Guard, parse_policy  # noqa: E402
 from orchestrator.comm import Comm  # noqa: E402
-from orchestrator.faults import FaultInjector  # noqa: E402
 from orchestrator.health import HealthChecker  # noqa: E402
-from orchestrator.journal import Journal  # noqa: E402
 from orchestrator.policy_sections import HealthPolicy  # noqa: E402
 
 
@@ -111,8 +109,7 @@ class SyncCounter:
 def checker(policy: HealthPolicy, rank: int, out: str) -> HealthChecker:
     run_dir = os.path.join(out, "health-run")
     os.makedirs(run_dir, exist_ok=True)
-    faults = FaultInjector([], rank, run_dir, Journal(run_dir, rank, 0))
-    return HealthChecker(policy, Comm(), faults, run_dir)
+    return HealthChecker(policy, Comm(), run_dir)
 
 
 # --- checks --------------------------------------------------------------------------------

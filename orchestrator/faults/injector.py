@@ -1,4 +1,5 @@
-"""Fault injection for drills and tests (policy ``faults``; empty by default).
+"""What each fault does, and when it fires (policy ``faults``; empty by default). Where it
+acts is in :mod:`orchestrator.faults.step` and :mod:`orchestrator.faults.parts`.
 
 A poisoned sample makes the loss of every batch holding it non-finite, every time it is
 seen. Every other fault fires once per run directory: firing is journaled (``fault``) by the
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from orchestrator.diagnose import install_nan_module
+from orchestrator.faults.model import install_nan_module
 from orchestrator.journal import Journal, read_journal
 from orchestrator.protocol import ENV_SUPERVISOR_PID
 from orchestrator.store import step_dir
