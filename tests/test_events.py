@@ -117,8 +117,17 @@ def test_the_reader_skips_damaged_and_unknown_lines_with_a_count(runs: tuple[Pat
 
 def test_every_kind_written_has_a_record_and_parse_never_raises() -> None:
     assert E.parse(ev(1.0, "persist_prune", deleted_steps=[1, 2])) != E.DAMAGED
-    for junk in (None, 1, "x", [], {}, {"kind": 1}, {**ev(1.0, "run_start"), "time": "1"},
-                 {**ev(float("inf"), "run_start")}, {**ev(1.0, "run_start"), "details": []}):
+    for junk in (
+        None,
+        1,
+        "x",
+        [],
+        {},
+        {"kind": 1},
+        {**ev(1.0, "run_start"), "time": "1"},
+        {**ev(float("inf"), "run_start")},
+        {**ev(1.0, "run_start"), "details": []},
+    ):
         assert E.parse(junk) == E.DAMAGED
     assert E.parse_line(b"\xff\xfe binary") == E.DAMAGED
     assert E.parse_line("[" * 100_000) == E.DAMAGED  # deeper than json can recurse
