@@ -208,3 +208,11 @@ def test_the_journal_writes_what_the_protocol_reads(tmp_path: Path) -> None:
     rb, snap = log.events
     assert isinstance(rb.record, E.Rollback) and rb.record.to_step == 7 and rb.attempt == 3
     assert isinstance(snap.record, E.SnapshotTaken) and snap.record.tier == "shm"
+
+
+def test_docs_list_every_record() -> None:
+    """docs/run-dir.md holds the table the records generate (regenerate it with
+    ``python -c "from orchestrator.events import table; print(table())"``)."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "run-dir.md").read_text()
+    begin, end = "<!-- events-table: begin -->\n", "<!-- events-table: end -->"
+    assert doc[doc.index(begin) + len(begin) : doc.index(end)] == E.table() + "\n"

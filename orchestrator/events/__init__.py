@@ -142,9 +142,10 @@ def table() -> str:
 
 
 def _type_name(tp: Any) -> str:
+    """``int | None`` as "int or null" (a markdown table cell holds no ``|``)."""
     name = getattr(tp, "__name__", None) if typing.get_origin(tp) is None else None
-    text = name or str(tp)
-    return text.replace("typing.", "").replace("NoneType", "None")
+    text = (name or str(tp)).replace("typing.", "").replace("NoneType", "None")
+    return text.replace(" | ", " or ").replace("None", "null").replace("Any", "any")
 
 
 def first_each_attempt(events: Iterable[Event[Any]], cls: type[R]) -> list[Event[R]]:

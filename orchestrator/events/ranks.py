@@ -186,7 +186,7 @@ class DivergenceCulprit(Record):
 @kind("divergence_unresolved")
 @dataclass(frozen=True, kw_only=True)
 class DivergenceUnresolved(Record):
-    distances: list[float] | None = None
+    distances: Any = None
 
 
 @kind("crash_suspected")
@@ -290,8 +290,8 @@ class Fault(Record):
 class Interval(Record):
     cost_s: float
     tier: str | None = None
-    old: int | None = None
-    new: int | None = None
+    old: Any = None  # every_steps before and after
+    new: Any = None
 
 
 # The durable tier and the run directory's own files.

@@ -69,7 +69,7 @@ class Hang(Record):
     stalled_ranks: dict[str, Any] | None = None
     suspects: list[int] | None = None
     culprits: list[dict[str, Any]] | None = None  # by, step, phase, answered, state
-    stacks: str | None = None
+    stacks: Any = None  # where the dumps are
     node: str | None = None
 
 
@@ -152,7 +152,7 @@ class CrashNotCounted(Record):
 @dataclass(frozen=True, kw_only=True)
 class EndpointUnreachable(Record):
     endpoint: str | None = None
-    why: str | None = None
+    why: Any = None
 
 
 @kind("attempt_left", "supervisor")
@@ -170,11 +170,11 @@ class LauncherLingered(Record):
 @kind("hang_detection_paused", "supervisor")
 @dataclass(frozen=True, kw_only=True)
 class HangDetectionPaused(Record):
-    error: str | None = None
+    error: Any = None
 
 
 @kind("hang_detection_resumed", "supervisor")
 @dataclass(frozen=True, kw_only=True)
 class HangDetectionResumed(Record):
-    error: str | None = None
+    error: Any = None
     seconds: float | None = None
