@@ -200,7 +200,7 @@ class CrashSuspected(Record):
 @dataclass(frozen=True, kw_only=True)
 class CrashProbesClean(Record):
     micro: int | None = None
-    samples: list[Any] | None = None
+    samples: list[int] = field(default_factory=list)
 
 
 @kind("loop_error")
