@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generic
 
 from orchestrator.events.base import RECORDS, R, Record, build, fields_of, is_a, required
-from orchestrator.events.ranks import *  # noqa: F403 (the records: one name per kind)
+from orchestrator.events.files import *  # noqa: F403 (the records: one name per kind)
+from orchestrator.events.ranks import *  # noqa: F403
 from orchestrator.events.ranks import Quarantine, RunEnd
 from orchestrator.events.supervisor import *  # noqa: F403
 
@@ -133,7 +134,8 @@ def of(events: Iterable[Event[Any]], cls: type[R]) -> list[Event[R]]:
 def table() -> str:
     """The protocol as a markdown table (docs/run-dir.md): kind, writer, fields."""
     rows = ["| kind | written by | fields (`?`: may be absent) |", "|---|---|---|"]
-    for kind, cls in RECORDS.items():
+    order = [f"orchestrator.events.{m}" for m in ("ranks", "files", "supervisor")]
+    for kind, cls in sorted(RECORDS.items(), key=lambda kv: order.index(kv[1].__module__)):
         said = []
         for f, tp in fields_of(cls):
             said.append(f"`{f.name}`" + ("" if required(f) else "?") + f": {_type_name(tp)}")
