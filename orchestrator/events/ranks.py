@@ -132,7 +132,7 @@ class Adjust(Record):
 @kind("recovered")
 @dataclass(frozen=True, kw_only=True)
 class Recovered(Record):
-    incident: dict[str, Any]  # the whole incident record (orchestrator/incident.py)
+    incident: dict[str, Any] = field(default_factory=dict)  # the incident (incident.py)
 
     @property
     def incident_step(self) -> int | None:
@@ -271,7 +271,7 @@ class Fault(Record):
 @kind("interval")
 @dataclass(frozen=True, kw_only=True)
 class Interval(Record):
-    cost_s: float
+    cost_s: float | None = None  # the write cost measured (tier persist)
     tier: str | None = None
     old: Any = None  # every_steps before and after
     new: Any = None
