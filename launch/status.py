@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import Mapping
 from typing import Any
 
 from launch.hangs import culprit_words
@@ -121,13 +120,15 @@ def render(run_dir: str) -> str:
 def _row(e: Event[Any]) -> str:
     when = time.strftime("%H:%M:%S", time.localtime(e.time))
     where = f" on {e.details['node']}" if "node" in e.details else ""
-    return f"  {when} attempt {e.attempt} step {e.step}{where}: {e.kind} {_brief(e.details)}"
+    return f"  {when} attempt {e.attempt} step {e.step}{where}: {e.kind} {_brief(e)}"
 
 
-def _brief(details: Mapping[str, Any]) -> str:
+def _brief(e: Event[Any]) -> str:
+    details = e.details
     keep = ("reason", "cause", "returncode", "origin_ranks", "stalled_ranks", "suspects", "why")
     said = " ".join(f"{k}={details[k]}" for k in keep if k in details)
-    for c in details.get("culprits") or []:  # a hang's, named from the phases or the stacks
+    culprits = e.record.culprits if isinstance(e.record, Hang) else None
+    for c in culprits or []:  # a hang's, named from the phases or the stacks
         said += f" culprit: {culprit_words(c)}"
     return said
 
