@@ -216,3 +216,29 @@ def test_docs_list_every_record() -> None:
     doc = (Path(__file__).resolve().parents[1] / "docs" / "run-dir.md").read_text()
     begin, end = "<!-- events-table: begin -->\n", "<!-- events-table: end -->"
     assert doc[doc.index(begin) + len(begin) : doc.index(end)] == E.table() + "\n"
+
+
+def test_an_old_run_directory_still_reads(tmp_path: Path) -> None:
+    """A single journal.jsonl from before per-node files, its events as older versions
+    wrote them (supervisor events naming the host only, no progress times, a quarantine
+    without the data budget's counts): nothing is skipped, and the readers use it."""
+    old = [
+        ev(0.0, "attempt_start", rank=-1, host="h0", cmd=["python", "t.py"]),
+        ev(1.0, "snapshot", 5, bytes=10),
+        ev(2.0, "incident", 7, reason="nonfinite_loss", loss=1.0, grad_norm=2.0,
+           origin_ranks=[], per_rank=[]),
+        ev(2.1, "quarantine", 7, samples=[3]),
+        ev(2.2, "rollback", 5, from_step=7, to_step=5),
+        ev(2.3, "recovered", 5, incident={"step": 7}),
+        ev(3.0, "attempt_end", 9, rank=-1, returncode=0, outcome="ok", host="h0"),
+        ev(3.1, "supervisor_exit", 9, rank=-1, exit_code=0, reason="finished"),
+    ]  # fmt: skip
+    (tmp_path / "journal.jsonl").write_text("".join(json.dumps(e) + "\n" for e in old))
+    log = read_events(str(tmp_path))
+    assert log.skipped == 0 and [e.wire() for e in log.events] == old
+    t = totals(load(str(tmp_path)))
+    assert (t["nodes"], t["incidents"], t["steps_lost_to_rollback"]) == (["h0"], 1, 2)
+    assert t["quarantined_samples"] == 1 and t["samples_seen"] is None
+    assert ledger(log.events, []).wall_s == pytest.approx(3.0)
+    assert "supervisor exited 0: finished" in render(str(tmp_path))
+    assert outcomes.history(str(tmp_path), "h0") == (-1, 0)
