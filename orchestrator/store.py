@@ -56,13 +56,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from orchestrator.codec import decode, dtype_of, encode, tensors_of
 from orchestrator.errors import PersistError
-from orchestrator.layout import (  # noqa: F401 (re-exported: the store's names, as before)
+
+# The layout's and the manifest's names are the store's too, as before the split.
+from orchestrator.layout import Candidate, SnapshotLayout, _is_local, default_url  # noqa: F401
+from orchestrator.manifest import (  # noqa: F401
     MANIFEST,
     MARKER,
-    Candidate,
-    SnapshotLayout,
-    _is_local,
-    default_url,
     manifest_problem,
     safe_rel,
     sign,
@@ -301,14 +300,11 @@ class DurableStore(SnapshotLayout):
 
     def check(self, cand: Candidate) -> str | None:
         """Full validation of one snapshot, every rank's part: None if valid, else why not."""
-        if not cand.committed:
-            return "not committed (being written, or its writer died mid-write)"
-        if cand.manifest is None:
-            return cand.problem or "manifest.json missing or unreadable"
-        ranks = cand.manifest.get("ranks") or list(range(int(cand.manifest["world_size"])))
+        why = self.check_files(cand)
+        if why is not None or cand.manifest is None:
+            return why
         try:
-            self.validate_files(cand.step, cand.manifest, ranks)
-            for r in ranks:
+            for r in self.ranks_of(cand.manifest):
                 self.load_part(cand.step, r)
         except SNAPSHOT_ERRORS as err:  # whatever a damaged snapshot makes a reader raise
             return str(err)

@@ -111,7 +111,7 @@ LAYOUT = (
     "import sys; sys.modules['torch'] = None\n"
     "from orchestrator.layout import SnapshotLayout\n"
     "s = SnapshotLayout(sys.argv[1]); c = [c for c in s.candidates() if c.committed]\n"
-    "for x in c: s.validate_files(x.step, x.manifest, x.manifest['ranks'])\n"
+    "assert c and [s.check_files(x) for x in c] == [None] * len(c)\n"
     "print('valid', [x.step for x in c]); assert sys.modules['torch'] is None\n"
 )
 
@@ -119,7 +119,8 @@ LAYOUT = (
 def test_status_and_report_run_where_torch_does_not_import(demo: Path, tmp_path: Path) -> None:
     """`orchestrator status` and `report` on the demo's run directory, in a process where
     importing torch fails, print what they print with torch (the heartbeats' ages aside);
-    the durable snapshots are listed and their files validated (sizes, sha256) too."""
+    the durable snapshots are listed (`status`, `snapshots --quick`) and their files validated
+    (sizes, sha256) too."""
 
     def cli(torch: bool, *args: str) -> str:
         head = [sys.executable, "-m", "launch.cli"] if torch else [sys.executable, "-c", NO_TORCH]
@@ -139,5 +140,6 @@ def test_status_and_report_run_where_torch_does_not_import(demo: Path, tmp_path:
     md = (tmp_path / "without" / "report.md").read_text()
     assert md == (tmp_path / "with" / "report.md").read_text()
     assert "| incidents | 1 (0 explained by data, 1 unexplained) |" in md
+    assert "committed (not verified: --quick)" in cli(False, "snapshots", str(demo), "--quick")
     r = run([sys.executable, "-c", LAYOUT, str(demo / "snapshots")], timeout=60)
     assert r.returncode == 0 and "valid [" in r.stdout, r.stdout[-3000:]
