@@ -43,7 +43,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 def _snapshots(args: argparse.Namespace) -> int:
     from orchestrator.errors import PersistError
-    from orchestrator.store import DurableStore, default_url, signing_key
+    from orchestrator.layout import SnapshotLayout, default_url
+    from orchestrator.manifest import signing_key
 
     target = args.target
     url = target
@@ -58,11 +59,18 @@ def _snapshots(args: argparse.Namespace) -> int:
         url = persist.url or default_url(os.path.abspath(target))
         key_file = persist.signing_key_file
     try:
-        store = DurableStore(url, key=signing_key(key_file))
+        key = signing_key(key_file)
     except PersistError as err:
         print(err, file=sys.stderr)
         return EXIT_INVALID
-    cands = store.candidates()
+    layout = SnapshotLayout(url, key=key)
+    if args.quick:  # listing, no tensor loaded: needs no torch
+        check = layout.check_files
+    else:
+        from orchestrator.store import DurableStore
+
+        check = DurableStore(url, key=key).check
+    cands = layout.candidates()
     if not cands:
         print(f"no snapshots under {url}")
         return 0
@@ -72,7 +80,7 @@ def _snapshots(args: argparse.Namespace) -> int:
         m = c.manifest or {}
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m["time"])) if "time" in m else "-"
         size = f"{m['bytes'] / 2**20:9.2f}" if "bytes" in m else f"{'-':>9}"
-        why = store.check(c) if not args.quick or not c.committed else None
+        why = check(c) if not args.quick or not c.committed else None
         status = "valid" if why is None else f"INVALID: {why}"
         if args.quick and c.committed:
             status = "committed (not verified: --quick)"

@@ -14,7 +14,17 @@ from pathlib import Path
 
 from launch.status import render
 from launch.supervisor import Supervisor
-from orchestrator.journal import read_journal
+from orchestrator.events import (
+    Fault,
+    Incident,
+    Persist,
+    Restart,
+    Resume,
+    Rollback,
+    RunEnd,
+    SupervisorExit,
+)
+from orchestrator.journal import read_events
 from orchestrator.policy import parse_policy
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
@@ -56,26 +66,27 @@ def run_demo(run_dir: str | None, steps: int) -> int:
 
 def story(run_dir: str) -> list[str]:
     out = []
-    for e in read_journal(run_dir):
-        k, d, step = e["kind"], e["details"], e["step"]
-        if k == "fault":
-            out.append(f"step {step}: injected {d['fault']['kind']} on rank {e['rank']}")
-        elif k == "incident":
-            out.append(f"step {step}: detected {d['reason']} (origin ranks {d['origin_ranks']})")
-        elif k == "rollback":
-            out.append(f"step {step}: rolled back from step {d['from_step']} to {d['to_step']}")
-        elif k == "persist":
-            out.append(f"step {step}: durable snapshot committed ({d['bytes'] / 2**20:.1f} MB)")
-        elif k == "restart":
-            out.append(f"attempt {e['attempt']} ended ({d['cause']}, exit {d['returncode']}): "
-                       f"restart in {d['delay_s']:.1f} s")  # fmt: skip
-        elif k == "resume":
-            out.append(f"attempt {e['attempt']}: resumed from the snapshot of step {step}")
-        elif k == "run_end":
-            what = "training finished" if d.get("status") == "finished" else "workers stopped"
-            out.append(f"step {step}: {what} ({d['incidents']} incident(s) in this attempt)")
-        elif k == "supervisor_exit":
-            out.append(f"supervisor: {d['reason']} (exit {d['exit_code']})")
+    for e in read_events(run_dir).events:
+        r, step = e.record, e.step
+        if isinstance(r, Fault):
+            out.append(f"step {step}: injected {r.fault.get('kind')} on rank {e.rank}")
+        elif isinstance(r, Incident):
+            out.append(f"step {step}: detected {r.reason} (origin ranks {r.origin_ranks})")
+        elif isinstance(r, Rollback):
+            out.append(f"step {step}: rolled back from step {r.from_step} to {r.to_step}")
+        elif isinstance(r, Persist):
+            mb = f"{r.bytes / 2**20:.1f} MB" if r.bytes is not None else "size not said"
+            out.append(f"step {step}: durable snapshot committed ({mb})")
+        elif isinstance(r, Restart):
+            out.append(f"attempt {e.attempt} ended ({r.cause}, exit {r.returncode}): "
+                       f"restart in {r.delay_s or 0.0:.1f} s")  # fmt: skip
+        elif isinstance(r, Resume):
+            out.append(f"attempt {e.attempt}: resumed from the snapshot of step {step}")
+        elif isinstance(r, RunEnd):
+            what = "training finished" if r.status == "finished" else "workers stopped"
+            out.append(f"step {step}: {what} ({r.incidents} incident(s) in this attempt)")
+        elif isinstance(r, SupervisorExit):
+            out.append(f"supervisor: {r.reason} (exit {r.exit_code})")
     return out
 
 

@@ -25,9 +25,21 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from orchestrator.events import (
+    AttemptStart,
+    Event,
+    Flush,
+    Hang,
+    Persist,
+    Restart,
+    SnapshotTaken,
+    first_each_attempt,
+    parse_line,
+    quarantine_share,
+)
 from orchestrator.goodput import KINDS, Ledger, Rows, ledger_of
 from orchestrator.heartbeat import read_heartbeats
-from orchestrator.journal import journal_files, per_attempt, quarantine_share
+from orchestrator.journal import journal_files
 from orchestrator.protocol import METRICS_NAME
 
 GOODPUT_EVERY_S = 30.0  # the ledger of a run that moves on is recomputed at most this late
@@ -59,7 +71,8 @@ class RunFollower:
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
-        self.events: list[dict[str, Any]] = []
+        self.events: list[Event[Any]] = []
+        self.skipped = 0  # journal lines damaged, or of kinds this version does not know
         self.rows: dict[int, Rows] = {}
         self.last_row: dict[str, Any] | None = None
         self._tails: dict[str, _Tail] = {}
@@ -69,9 +82,11 @@ class RunFollower:
         for path in journal_files(self.run_dir):
             tail = self._tails.setdefault(path, _Tail(path))
             for line in tail.lines():
-                e = _record(line, ("kind", str), ("time", float), ("details", dict))
-                if e is not None:  # else torn by a crash mid-write, or not ours
+                e = parse_line(line)
+                if isinstance(e, Event):
                     self.events.append(e)
+                else:  # torn by a crash mid-write, not ours, or a newer version's kind
+                    self.skipped += 1
         for line in self._metrics.lines():
             row = _record(line, ("time", float), ("step", int), ("attempt", int))
             if row is None:
@@ -160,17 +175,18 @@ class Exporter:
 
             count: dict[str, int] = {}
             for e in events:
-                count[e["kind"]] = count.get(e["kind"], 0) + 1
+                count[e.kind] = count.get(e.kind, 0) + 1
             share = quarantine_share(events)  # as status and report count them
             quarantined = share[0] if share else 0
             yield counter("incidents", "Incidents (bad steps) so far.", count.get("incident", 0))
             yield counter("rollbacks", "Rollbacks so far.", count.get("rollback", 0))
-            restarts, hangs = (len(per_attempt(events, k)) for k in ("restart", "hang"))
+            restarts = len(first_each_attempt(events, Restart))
+            hangs = len(first_each_attempt(events, Hang))
             yield counter("restarts", "Restarts of the job so far.", restarts)
             yield counter("hangs", "Hangs detected so far.", hangs)
             yield counter("quarantined_samples", "Samples quarantined so far.", quarantined)
             yield counter("alerts", "Alerts sent so far.", count.get("alert", 0))
-            attempts = [int(e.get("attempt", 0)) for e in events if e["kind"] == "attempt_start"]
+            attempts = [e.attempt for e in events if isinstance(e.record, AttemptStart)]
             yield gauge("attempt", "The current attempt.", max(attempts, default=0))
             beats = read_heartbeats(self.run.run_dir)
             yield gauge("step", "The newest step a rank reached.", max(
@@ -200,15 +216,15 @@ class Exporter:
             yield parts
 
 
-def _newest_snapshots(events: list[dict[str, Any]]) -> dict[str, float]:
+def _newest_snapshots(events: list[Event[Any]]) -> dict[str, float]:
     """When each tier's newest snapshot was taken."""
     out: dict[str, float] = {}
     for e in events:
-        tier = None
-        if e["kind"] == "snapshot":
-            tier = "shm" if e["details"].get("tier") == "shm" else "memory"
-        elif e["kind"] in ("persist", "flush") and e["details"].get("flushed", True):
+        tier, r = None, e.record
+        if isinstance(r, SnapshotTaken):
+            tier = "shm" if r.tier == "shm" else "memory"
+        elif isinstance(r, Persist) or (isinstance(r, Flush) and e.details.get("flushed", True)):
             tier = "durable"
         if tier is not None:
-            out[tier] = max(out.get(tier, 0.0), float(e["time"]))
+            out[tier] = max(out.get(tier, 0.0), e.time)
     return out

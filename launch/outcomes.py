@@ -12,14 +12,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.journal import read_journal
+from orchestrator.events import AttemptEnd, AttemptStart, Event, GaveUp, RunEnd, Unhealthy
+from orchestrator.journal import read_events
 from orchestrator.protocol import (
-    EVENT_ATTEMPT_END,
-    EVENT_ATTEMPT_START,
     EVENT_GAVE_UP,
     EVENT_PREEMPTED,
     EVENT_PREEMPTING,
-    EVENT_RUN_END,
     EVENT_UNHEALTHY,
     EXCLUDE_NAME,
     EXIT_GAVE_UP,
@@ -74,12 +72,12 @@ def classify(run_dir: str, rc: int, attempt: int) -> str:
     if rc in _BY_CODE:
         return _BY_CODE[rc]
     finished = False
-    for e in read_journal(run_dir):  # torchrun masks its workers' codes
-        if e.get("attempt") != attempt:
+    for e in read_events(run_dir).events:  # torchrun masks its workers' codes
+        if e.attempt != attempt:
             continue
-        if e.get("kind") in _BY_EVENT:
-            return _BY_EVENT[e["kind"]]
-        if e.get("kind") == EVENT_RUN_END and e["details"].get("status") == "finished":
+        if e.kind in _BY_EVENT:
+            return _BY_EVENT[e.kind]
+        if isinstance(e.record, RunEnd) and e.record.status == "finished":
             finished = True
     return OK if finished else CRASH
 
@@ -91,11 +89,11 @@ def preemption(run_dir: str, attempt: int, wait_s: float = 0.0) -> dict[str, Any
     never got that far (stopped while writing it)."""
     deadline = time.monotonic() + wait_s
     while True:
-        said = [e for e in read_journal(run_dir) if e.get("attempt") == attempt
-                and e["kind"] in (EVENT_PREEMPTED, EVENT_PREEMPTING)]  # fmt: skip
-        done = [e for e in said if e["kind"] == EVENT_PREEMPTED]
+        said = [e for e in read_events(run_dir).events if e.attempt == attempt
+                and e.kind in (EVENT_PREEMPTED, EVENT_PREEMPTING)]  # fmt: skip
+        done = [e for e in said if e.kind == EVENT_PREEMPTED]
         if done:
-            return done[-1]
+            return done[-1].wire()
         if not said or time.monotonic() >= deadline:
             return None
         time.sleep(0.2)
@@ -103,20 +101,16 @@ def preemption(run_dir: str, attempt: int, wait_s: float = 0.0) -> dict[str, Any
 
 def gave_up_reason(run_dir: str, attempt: int) -> str:
     """Why the workers of ``attempt`` gave up, from their ``gave_up`` event."""
-    for e in read_journal(run_dir):
-        if e.get("attempt") == attempt and e["kind"] == EVENT_GAVE_UP:
-            return str(e["details"].get("why", "a budget is spent"))
+    for e in read_events(run_dir).of(GaveUp):
+        if e.attempt == attempt:
+            return str(e.details.get("why", "a budget is spent"))
     return "a budget is spent, or input a restart cannot fix; see gave_up in the journal"
 
 
 def last_journaled_step(run_dir: str, attempt: int) -> int | None:
     """The highest step the workers of ``attempt`` journaled (a fault, a snapshot, an
     incident): a crash's step even when the last heartbeat is an interval older."""
-    steps = [
-        int(e["step"])
-        for e in read_journal(run_dir)
-        if e.get("attempt") == attempt and e.get("rank", -1) >= 0 and e.get("step") is not None
-    ]
+    steps = [e.step for e in read_events(run_dir).events if e.attempt == attempt and e.rank >= 0]
     return max(steps, default=None)
 
 
@@ -129,9 +123,8 @@ def exclude_hosts(run_dir: str) -> list[str]:
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             hosts = {line.strip() for line in f if line.strip()}
-    for e in read_journal(run_dir):
-        if e.get("kind") == EVENT_UNHEALTHY:
-            hosts.update(str(h) for h in e["details"].get("hosts", []))
+    for e in read_events(run_dir).of(Unhealthy):
+        hosts.update(e.record.hosts)
     try:
         write_atomic(path, "".join(f"{h}\n" for h in sorted(hosts)))
     except OSError as err:  # a full disk: the exit code still says unhealthy
@@ -139,9 +132,10 @@ def exclude_hosts(run_dir: str) -> list[str]:
     return sorted(hosts)
 
 
-def node_of(event: dict[str, Any]) -> Any:
+def node_of(event: Event[Any] | dict[str, Any]) -> Any:
     """The node a supervisor event came from (journals before nodes had names: the host)."""
-    return event["details"].get("node", event["details"].get("host"))
+    d = event.details if isinstance(event, Event) else event["details"]
+    return d.get("node", d.get("host"))
 
 
 def next_attempt_number(run_dir: str, node: str) -> int:
@@ -149,12 +143,11 @@ def next_attempt_number(run_dir: str, node: str) -> int:
     supervisor restarts), or the attempt another node has started, when higher: a node that
     comes back late joins the attempt the others wait in, under the same id."""
     own = others = -1
-    for e in read_journal(run_dir):
-        if e.get("kind") == EVENT_ATTEMPT_START:
-            if node_of(e) == node:
-                own = max(own, int(e.get("attempt", -1)))
-            else:
-                others = max(others, int(e.get("attempt", -1)))
+    for e in read_events(run_dir).of(AttemptStart):
+        if node_of(e) == node:
+            own = max(own, e.attempt)
+        else:
+            others = max(others, e.attempt)
     return max(own + 1, others)
 
 
@@ -162,11 +155,11 @@ def history(run_dir: str, node: str) -> tuple[int, int]:
     """(best step so far, attempts in a row without progress) from this node's earlier
     supervisors, so the crash-loop rule also holds across requeues."""
     best, stalled = -1, 0
-    for e in read_journal(run_dir):
-        if e.get("kind") != EVENT_ATTEMPT_END or node_of(e) not in (node, None):
+    for e in read_events(run_dir).of(AttemptEnd):
+        if node_of(e) not in (node, None):
             continue
-        step = e["details"].get("best_step")
-        if e["details"].get("outcome") == OK or (step is not None and step > best):
+        step = e.record.best_step
+        if e.record.outcome == OK or (step is not None and step > best):
             stalled = 0
         else:
             stalled += 1

@@ -21,8 +21,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launch.hangs import culprit_words
+from orchestrator.events import (
+    AttemptStart,
+    Diagnosis,
+    Event,
+    Incident,
+    Persist,
+    Quarantine,
+    Recovered,
+    Restart,
+    Resume,
+    Rollback,
+    first_each_attempt,
+    of,
+    quarantine_share,
+)
+from orchestrator.events.base import R
 from orchestrator.goodput import KINDS, Ledger, ledger
-from orchestrator.journal import load_journal, per_attempt, quarantine_share, read_metrics
+from orchestrator.journal import read_events, read_metrics
 
 COLOURS = {
     "transient": "tab:orange",
@@ -35,12 +51,13 @@ COLOURS = {
 
 @dataclass
 class RunRecord:
-    events: list[dict[str, Any]]
+    events: list[Event[Any]]
     skipped: list[str] = field(default_factory=list)  # file:line of journal lines not parsed
     metrics: list[dict[str, Any]] = field(default_factory=list)
+    unknown: dict[str, int] = field(default_factory=dict)  # kinds of a newer version: lines
 
-    def of(self, *kinds: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["kind"] in kinds]
+    def of(self, cls: type[R]) -> list[Event[R]]:
+        return of(self.events, cls)
 
     @functools.cached_property
     def goodput(self) -> Ledger:
@@ -49,8 +66,8 @@ class RunRecord:
 
 
 def load(run_dir: str) -> RunRecord:
-    events, skipped = load_journal(run_dir)  # every node's, merged by time
-    return RunRecord(events, skipped, read_metrics(run_dir))
+    log = read_events(run_dir)  # every node's, merged by time
+    return RunRecord(log.events, log.damaged, read_metrics(run_dir), log.unknown)
 
 
 # --- the page -----------------------------------------------------------------------------------
@@ -81,68 +98,78 @@ def hang_evidence(d: dict[str, Any]) -> str:
 def timeline(rec: RunRecord) -> list[tuple[str, Any, str, str, str]]:
     """(time, step, event, evidence, action) rows, oldest first."""
     rows = []
-    recovered = {e["details"]["incident"]["step"]: e for e in rec.of("recovered")}
-    diagnoses = {e["details"]["incident_step"]: e for e in rec.of("diagnosis")}
+    recovered = {e.record.incident_step: e.record.incident for e in rec.of(Recovered)}
+    diagnoses = {e.record.incident_step: e.record for e in rec.of(Diagnosis)}
     for e in rec.events:
-        k, d = e["kind"], e["details"]
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(e["time"])))
-        if k == "incident":
-            evidence = (
-                f"{d['reason']}; loss {d['loss']:.4g}, grad norm {d['grad_norm']:.4g}; "
-                f"origin ranks {d['origin_ranks'] or 'all'}"
-            )
-            diag = diagnoses.get(e["step"])
-            if diag is not None:
-                dd = diag["details"]
-                evidence += f"; {dd['classification']}"
-                if dd["located"]:
-                    loc = dd["located"][0]
-                    evidence += f" in {loc['module']} ({loc['direction']}, rank {loc['rank']})"
-            action = "isolating"
-            if e["step"] in recovered:
-                inc = recovered[e["step"]]["details"]["incident"]
-                action = f"rolled back to {inc['rolled_back_to']}; LR x{inc['lr_multiplier']:g}" + (
-                    f"; quarantined {inc['quarantined']}" if inc["quarantined"] else ""
-                )
-            rows.append((when, e["step"], "incident", evidence, action))
-        elif k == "restart":
+        r, d = e.record, e.details
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time))
+        if isinstance(r, Incident):
+            evidence = _incident_evidence(r, diagnoses.get(e.step))
+            action = _incident_action(recovered.get(e.step))
+            rows.append((when, e.step, "incident", evidence, action))
+        elif isinstance(r, Restart):
             rows.append(
                 (
                     when,
-                    e["step"],
+                    e.step,
                     "restart",
-                    f"attempt ended: {d['cause']} (exit {d.get('returncode')})"
-                    + (f" on {d['node']}" if "node" in d else ""),
-                    f"attempt {d['next_attempt']} after {d['delay_s']} s",
+                    f"attempt ended: {r.cause} (exit {r.returncode})"
+                    + (f" on {r.node}" if "node" in d else ""),
+                    f"attempt {r.next_attempt} after {r.delay_s} s",
                 )
             )
-        elif k == "resume":
+        elif isinstance(r, Resume):
             rows.append(
                 (
                     when,
-                    e["step"],
+                    e.step,
                     "resume",
-                    f"{d['tier']} snapshot at step {d['snapshot_step']}",
-                    f"training resumed (attempt {e['attempt']})",
+                    f"{r.tier} snapshot at step {r.snapshot_step}",
+                    f"training resumed (attempt {e.attempt})",
                 )
             )
-        elif k in OTHER:
-            evidence, action = OTHER[k](d)
-            rows.append((when, e["step"], k, evidence, action))
+        elif e.kind in OTHER:
+            evidence, action = OTHER[e.kind](d)
+            rows.append((when, e.step, e.kind, evidence, action))
     return rows
 
 
-def totals(rec: RunRecord) -> dict[str, Any]:
-    rollbacks = rec.of("rollback")
-    lost_steps = sum(
-        int(r["details"]["from_step"]) - int(r["details"]["to_step"]) for r in rollbacks
+def _incident_evidence(r: Incident, diag: Diagnosis | None) -> str:
+    said = (
+        f"{r.reason}; loss {_g(r.loss, '.4g')}, grad norm {_g(r.grad_norm, '.4g')}; "
+        f"origin ranks {r.origin_ranks or 'all'}"
     )
-    restarts = per_attempt(rec.events, "restart")  # each node journals the job's restart
-    quarantined = sorted({i for q in rec.of("quarantine") for i in q["details"]["samples"]})
+    if diag is not None:
+        said += f"; {diag.classification}"
+        if diag.located:
+            loc = diag.located[0]
+            said += f" in {loc.get('module')} ({loc.get('direction')}, rank {loc.get('rank')})"
+    return said
+
+
+def _incident_action(inc: dict[str, Any] | None) -> str:
+    if inc is None:
+        return "isolating"
+    said = f"rolled back to {inc.get('rolled_back_to')}; LR x{_g(inc.get('lr_multiplier'))}"
+    return said + (f"; quarantined {inc['quarantined']}" if inc.get("quarantined") else "")
+
+
+def _g(x: Any, spec: str = "g") -> str:
+    """A number as ``spec`` formats it; anything else (a field left out) as it is."""
+    return format(x, spec) if isinstance(x, int | float) else str(x)
+
+
+def totals(rec: RunRecord) -> dict[str, Any]:
+    rollbacks = rec.of(Rollback)
+    lost_steps = sum(
+        r.record.from_step - r.record.to_step for r in rollbacks if r.record.from_step is not None
+    )
+    restarts = first_each_attempt(rec.events, Restart)  # each node journals the job's restart
+    quarantined = sorted({i for q in rec.of(Quarantine) for i in q.record.samples})
     share = quarantine_share(rec.events)
-    causes = [e["details"].get("cause") for e in rec.of("incident")]
+    causes = [e.record.cause for e in rec.of(Incident)]
     return {
-        "incidents": len(rec.of("incident")),
+        "incidents": len(causes),
         "incidents_explained_by_data": causes.count("data"),
         "incidents_unexplained": causes.count("unexplained"),
         "samples_seen": share[1] if share else None,
@@ -151,8 +178,8 @@ def totals(rec: RunRecord) -> dict[str, Any]:
         "restarts": len(restarts),
         "nodes": sorted(  # the supervisors' (older journals name the host)
             {
-                str(e["details"].get("node", e["details"].get("host")))
-                for e in rec.of("attempt_start")
+                str(e.record.node if "node" in e.details else e.record.host)
+                for e in rec.of(AttemptStart)
             }
         ),
         "steps_lost_to_rollback": lost_steps,
@@ -171,6 +198,10 @@ def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | No
             "last line). Everything before them is reported.",
             "",
         ]
+    if rec.unknown:  # written by a newer version
+        kinds = ", ".join(f"{k} ({n})" for k, n in sorted(rec.unknown.items()))
+        out += [f"> Note: journal events of kinds this version does not know were skipped: "
+                f"{kinds}.", ""]  # fmt: skip
     if png:
         out += [f"![loss, grad norm and LR with incidents]({os.path.basename(png)})", ""]
     elif why_no_png:
@@ -208,16 +239,16 @@ def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | No
     ]
     out += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in timeline(rec)]
     out += ["", "## Quarantine", ""]
-    quarantines = rec.of("quarantine")
+    quarantines = rec.of(Quarantine)
     if not quarantines:
         out.append("No sample was quarantined.")
     else:
         out += ["| sample | quarantined at step | why | ledger |", "|---|---|---|---|"]
-        incidents = {e["step"]: e["details"]["reason"] for e in rec.of("incident")}
+        incidents = {e.step: e.record.reason for e in rec.of(Incident)}
         for q in quarantines:
-            why = incidents.get(q["step"], "incident")
-            for i in q["details"]["samples"]:
-                out.append(f"| {i} | {q['step']} | {why} | {q['details'].get('ledger', '')} |")
+            why = incidents.get(q.step, "incident")
+            for i in q.record.samples:
+                out.append(f"| {i} | {q.step} | {why} | {q.details.get('ledger', '')} |")
     return "\n".join(out) + "\n"
 
 
@@ -283,20 +314,19 @@ def plot(rec: RunRecord, path: str) -> None:
         ax_gn.set_yscale("log")
     ax_gn.set_ylabel("grad norm")
     ax_gn.set_xlabel("step")
-    classes = {e["details"]["incident_step"]: e["details"]["classification"]
-               for e in rec.of("diagnosis")}  # fmt: skip
+    classes = {e.record.incident_step: e.record.classification for e in rec.of(Diagnosis)}
     for ax in (ax_loss, ax_gn):
         for a, b in gaps:
             ax.axvspan(a, b, color="tab:gray", alpha=0.15, lw=0, hatch="//")
-        for r in rec.of("rollback"):
-            ax.axvspan(r["details"]["to_step"], r["details"]["from_step"], color="tab:red",
-                       alpha=0.12, lw=0)  # fmt: skip
-        for e in rec.of("incident"):
-            ax.axvline(e["step"], color=COLOURS.get(classes.get(e["step"]), "tab:red"), lw=1.5)
-        for e in rec.of("resume"):
-            ax.axvline(e["details"]["snapshot_step"], color="black", ls="--", lw=1)
-        for e in rec.of("persist"):
-            ax.plot([e["step"]], [0], marker="v", color="tab:blue", ms=5,
+        for r in rec.of(Rollback):
+            if r.record.from_step is not None:
+                ax.axvspan(r.record.to_step, r.record.from_step, color="tab:red", alpha=0.12, lw=0)
+        for e in rec.of(Incident):
+            ax.axvline(e.step, color=COLOURS.get(classes.get(e.step), "tab:red"), lw=1.5)
+        for s in rec.of(Resume):
+            ax.axvline(s.record.snapshot_step, color="black", ls="--", lw=1)
+        for p in rec.of(Persist):
+            ax.plot([p.step], [0], marker="v", color="tab:blue", ms=5,
                     transform=ax.get_xaxis_transform(), clip_on=False)  # fmt: skip
     handles = [
         plt.Line2D([], [], color="tab:red", lw=1.5, label="incident"),

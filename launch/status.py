@@ -9,50 +9,59 @@ from typing import Any
 
 from launch.hangs import culprit_words
 from launch.nodes import supervisors
+from orchestrator.events import (
+    Event,
+    Hang,
+    Incident,
+    Quarantine,
+    Restart,
+    Rollback,
+    SupervisorExit,
+    first_each_attempt,
+    of,
+    quarantine_share,
+)
 from orchestrator.goodput import ledger
 from orchestrator.heartbeat import progress_time, read_heartbeats
-from orchestrator.journal import (
-    load_journal,
-    per_attempt,
-    quarantine_share,
-    read_journal,
-    read_metrics,
-)
+from orchestrator.journal import read_events, read_metrics
+from orchestrator.layout import SnapshotLayout, default_url
 from orchestrator.policy import load_policy
 from orchestrator.protocol import POLICY_NAME
-from orchestrator.store import DurableStore, default_url
 
 
 def render(run_dir: str) -> str:
     run_dir = os.path.abspath(run_dir)
     if not os.path.isdir(run_dir):
         return f"{run_dir}: no such run directory"
-    events, damaged = load_journal(run_dir)
-    kinds = Counter(e["kind"] for e in events)
-    attempt = max((int(e.get("attempt", 0)) for e in events), default=0)
-    steps = [int(e["step"]) for e in events if isinstance(e.get("step"), int)]
+    log = read_events(run_dir)
+    events = log.events
+    attempt = max((e.attempt for e in events), default=0)
     last = events[-1] if events else None
-    sup = [e for e in events if e["kind"] in ("attempt_start", "supervisor_exit")]
-    exit_event = sup[-1] if sup and sup[-1]["kind"] == "supervisor_exit" else None
+    sup = [e for e in events if e.kind in ("attempt_start", "supervisor_exit")]
+    exit_event = sup[-1] if sup and isinstance(sup[-1].record, SupervisorExit) else None
     share = quarantine_share(events)
     if share is not None:
         quarantined = f"{share[0]} ({share[0] / max(share[1], 1):.2%} of {share[1]} samples seen)"
     else:
-        n = sum(len(e["details"].get("samples", [])) for e in events if e["kind"] == "quarantine")
-        quarantined = str(n)
-    causes = Counter(e["details"].get("cause") for e in events if e["kind"] == "incident")
+        quarantined = str(sum(len(e.record.samples) for e in of(events, Quarantine)))
+    incidents = of(events, Incident)
+    causes = Counter(e.record.cause for e in incidents)
     lines = [f"run {run_dir}"]
+    damaged = log.damaged
     if damaged:  # a crash or a full disk mid-write, or a line that is no event
         lines.append(
             f"  journal: {len(damaged)} damaged line(s) skipped ({', '.join(damaged[:3])}"
             + (", ..." if len(damaged) > 3 else "") + ")"
         )  # fmt: skip
+    if log.unknown:  # kinds of a newer version
+        known = ", ".join(f"{k} ({n})" for k, n in sorted(log.unknown.items()))
+        lines.append(f"  journal: events of kinds this version does not know skipped: {known}")
     lines.append(
-        f"  attempt {attempt}   newest step {max(steps, default=0)}   "
-        f"restarts {len(per_attempt(events, 'restart'))}   "
-        f"hangs {len(per_attempt(events, 'hang'))}   incidents {kinds['incident']} "
+        f"  attempt {attempt}   newest step {max((e.step for e in events), default=0)}   "
+        f"restarts {len(first_each_attempt(events, Restart))}   "
+        f"hangs {len(first_each_attempt(events, Hang))}   incidents {len(incidents)} "
         f"(data {causes['data']}, unexplained {causes['unexplained']})   "
-        f"rollbacks {kinds['rollback']}   quarantined {quarantined}"
+        f"rollbacks {len(of(events, Rollback))}   quarantined {quarantined}"
     )
     led = ledger(events, read_metrics(run_dir))
     if led.wall_s > 0:
@@ -65,12 +74,12 @@ def render(run_dir: str) -> str:
             f"{led.wall_s:.0f} s" + (
                 "; " + ", ".join(f"{k} {v:.1f} s" for k, v in lost[:5]) if lost else "")
         )  # fmt: skip
-    if exit_event:
-        d = exit_event["details"]
-        lines.append(f"  supervisor exited {d['exit_code']}: {d['reason']}")
+    if exit_event is not None and isinstance(exit_event.record, SupervisorExit):
+        said = exit_event.record
+        lines.append(f"  supervisor exited {said.exit_code}: {said.reason}")
     elif last:
-        age = time.time() - float(last["time"])
-        lines.append(f"  last event {last['kind']} at step {last['step']}, {age:.0f} s ago")
+        age = time.time() - last.time
+        lines.append(f"  last event {last.kind} at step {last.step}, {age:.0f} s ago")
     sups = supervisors(run_dir)
     if sups:
         lines.append("  node        supervisor                      attempt  state")
@@ -97,24 +106,29 @@ def render(run_dir: str) -> str:
         policy_file = os.path.join(run_dir, POLICY_NAME)
         policy = load_policy(policy_file) if os.path.exists(policy_file) else None
         url = (policy.persist.url if policy else None) or default_url(run_dir)
-        committed = DurableStore(url).committed_steps()
+        committed = SnapshotLayout(url).committed_steps()
         lines.append(
             f"  durable snapshots: {committed[:5] if committed else 'none'} (newest first) at {url}"
         )
     except Exception as err:  # status must always print
         lines.append(f"  durable snapshots: cannot list ({err})")
-    for e in [e for e in events if e["kind"] in ("incident", "restart", "hang", "gave_up")][-5:]:
-        when = time.strftime("%H:%M:%S", time.localtime(float(e["time"])))
-        where = f" on {e['details']['node']}" if "node" in e["details"] else ""
-        lines.append(f"  {when} attempt {e['attempt']} step {e['step']}{where}: {e['kind']} "
-                     f"{_brief(e['details'])}")  # fmt: skip
+    for e in [e for e in events if e.kind in ("incident", "restart", "hang", "gave_up")][-5:]:
+        lines.append(_row(e))
     return "\n".join(lines)
 
 
-def _brief(details: dict[str, Any]) -> str:
+def _row(e: Event[Any]) -> str:
+    when = time.strftime("%H:%M:%S", time.localtime(e.time))
+    where = f" on {e.details['node']}" if "node" in e.details else ""
+    return f"  {when} attempt {e.attempt} step {e.step}{where}: {e.kind} {_brief(e)}"
+
+
+def _brief(e: Event[Any]) -> str:
+    details = e.details
     keep = ("reason", "cause", "returncode", "origin_ranks", "stalled_ranks", "suspects", "why")
     said = " ".join(f"{k}={details[k]}" for k in keep if k in details)
-    for c in details.get("culprits") or []:  # a hang's, named from the phases or the stacks
+    culprits = e.record.culprits if isinstance(e.record, Hang) else None
+    for c in culprits or []:  # a hang's, named from the phases or the stacks
         said += f" culprit: {culprit_words(c)}"
     return said
 
@@ -129,7 +143,7 @@ def follow(run_dir: str, interval: float = 2.0) -> int:
             sups = supervisors(run_dir)
             if sups and all(s.get("state") == "exited" for s in sups):
                 return 0  # every node's supervisor has stopped
-            if not sups and any(e["kind"] == "supervisor_exit" for e in read_journal(run_dir)):
+            if not sups and read_events(run_dir).of(SupervisorExit):
                 return 0  # a run directory from before the supervisors' files
             time.sleep(interval)
     except KeyboardInterrupt:

@@ -11,9 +11,20 @@ must still be in it. The fault drills (``orchestrator drill``) and the tests cal
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
-from orchestrator.journal import read_journal
+from orchestrator.events import (
+    Fault,
+    Flush,
+    LedgerWritten,
+    Persist,
+    PersistInvalidate,
+    PersistPrune,
+    Quarantine,
+    typed,
+)
+from orchestrator.journal import read_events
 from orchestrator.protocol import LEDGER_NAME
 from orchestrator.quarantine import Ledger
 from orchestrator.store import DurableStore, default_url
@@ -22,23 +33,24 @@ from orchestrator.store import DurableStore, default_url
 _DAMAGING = ("truncate_snapshot", "corrupt_manifest")
 
 
-def expected_snapshots(events: list[dict[str, Any]], url: str) -> set[int]:
-    """The committed steps under ``url`` that the journal says must still be there."""
+def expected_snapshots(events: Iterable[Any], url: str) -> set[int]:
+    """The committed steps under ``url`` that the journal says must still be there
+    (``events``: the protocol's, or the journal's dicts)."""
     kept: set[int] = set()
-    for e in sorted(events, key=lambda e: e["time"]):
-        d = e.get("details", {})
-        if d.get("url", url) != url:
+    for e in typed(events).events:  # in time order
+        r = e.record
+        if e.details.get("url", url) != url:
             continue  # another store (the node-local tier)
-        if e["kind"] == "persist":
-            kept.add(int(e["step"]))
-        elif e["kind"] == "flush" and d.get("flushed") and "committed_by" not in d:
-            kept.add(int(d["step"]))
-        elif e["kind"] == "persist_prune":
-            kept -= {int(s) for s in d.get("deleted_steps", [])}
-        elif e["kind"] == "persist_invalidate":
-            kept -= {int(s) for s in d.get("uncommitted_steps", [])}
-        elif e["kind"] == "fault" and d.get("fault", {}).get("kind") in _DAMAGING:
-            kept.discard(int(e["step"]))
+        if isinstance(r, Persist):
+            kept.add(e.step)
+        elif isinstance(r, Flush) and r.flushed and r.step is not None and r.committed_by is None:
+            kept.add(r.step)
+        elif isinstance(r, PersistPrune):
+            kept -= set(r.deleted_steps)
+        elif isinstance(r, PersistInvalidate):
+            kept -= set(r.uncommitted_steps)
+        elif isinstance(r, Fault) and r.fault.get("kind") in _DAMAGING:
+            kept.discard(e.step)
     return kept
 
 
@@ -53,7 +65,7 @@ def audit(
         ledger_url: the quarantine ledger (default: the run directory's).
         key: the manifest signing key, if the run signed its manifests.
     """
-    events = list(read_journal(run_dir))
+    events = read_events(run_dir).events
     url = (url or default_url(run_dir)).rstrip("/")
     store = DurableStore(url, key=key)
     lost = []
@@ -64,11 +76,11 @@ def audit(
         if why is not None:
             lost.append(f"committed snapshot {step} under {url}: {why}")
     written = {
-        int(s)
+        s
         for e in events
-        if (e["kind"] == "quarantine" and e["details"].get("persisted", True))
-        or e["kind"] == "ledger_written"
-        for s in e["details"].get("samples", [])
+        if (isinstance(e.record, Quarantine) and e.record.persisted)
+        or isinstance(e.record, LedgerWritten)
+        for s in e.record.samples
     }
     if written:
         in_ledger = Ledger(ledger_url or os.path.join(run_dir, LEDGER_NAME)).load()

@@ -37,11 +37,26 @@ import bisect
 import math
 import statistics
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.journal import read_journal, read_metrics
+from orchestrator.events import (
+    AttemptEnd,
+    Event,
+    Recovered,
+    Resume,
+    Rollback,
+    RunEnd,
+    SnapshotTaken,
+    StopRequested,
+    typed,
+)
+from orchestrator.journal import read_events, read_metrics
+
+# The events the ledger reads: the journal's (the protocol's typed events), or their dicts
+# (each checked against the protocol; one that does not fit it is left out).
+Events = Iterable[Event[Any] | Mapping[str, Any]]
 
 # kind -> what it is, in a few words (report.md's table); the module docstring has more.
 KINDS = {
@@ -115,7 +130,7 @@ class _Attempt:
     end: float
     outcome: str | None = None
     rows: Rows = field(default_factory=Rows)
-    events: list[dict[str, Any]] = field(default_factory=list)  # the ranks' (rank >= 0)
+    events: list[Event[Any]] = field(default_factory=list)  # the ranks' (rank >= 0)
     stop_at: float | None = None  # a stop request's signal
     progress: float | None = None  # the ranks' last progress, as the supervisor saw it
     _base: float | None = None  # median step time without a durable write in flight
@@ -139,7 +154,7 @@ class _Index:
     """One attempt's events (in time order) as the ledger looks them up: snapshot stalls
     as prefix sums, captures by step, incidents and rollbacks in time order."""
 
-    def __init__(self, events: list[dict[str, Any]]) -> None:
+    def __init__(self, events: list[Event[Any]]) -> None:
         self.snap_t: list[float] = []
         self.stall_sum = [0.0]  # stall_sum[i]: the stalls of the first i snapshots
         self.captured: dict[int, list[float]] = {}  # step -> capture times
@@ -147,19 +162,16 @@ class _Index:
         self.rollback_t: list[float] = []
         self.rollback_to: list[int] = []
         for e in events:
-            t, kind = float(e["time"]), e["kind"]
-            if kind == "snapshot":
+            t, r = e.time, e.record
+            if isinstance(r, SnapshotTaken):
                 self.snap_t.append(t)
-                self.stall_sum.append(
-                    self.stall_sum[-1] + float(e["details"].get("stall_ms", 0.0)) / 1000
-                )
-                self.captured.setdefault(int(e["step"]), []).append(t)
-            elif kind == "recovered":
-                began = float(e["details"].get("incident", {}).get("started_at", t))
-                self.recovered.append((t, began))
-            elif kind == "rollback":
+                self.stall_sum.append(self.stall_sum[-1] + r.stall_ms / 1000)
+                self.captured.setdefault(e.step, []).append(t)
+            elif isinstance(r, Recovered):
+                self.recovered.append((t, r.started_at if r.started_at is not None else t))
+            elif isinstance(r, Rollback):
                 self.rollback_t.append(t)
-                self.rollback_to.append(int(e["details"]["to_step"]))
+                self.rollback_to.append(r.to_step)
 
     def stalls(self, start: float, end: float) -> float:
         i = bisect.bisect_left(self.snap_t, start)
@@ -172,9 +184,7 @@ class _Index:
         return self.rollback_to[j - 1] if j and self.rollback_t[j - 1] >= start else None
 
 
-def ledger(
-    events: Iterable[dict[str, Any]], rows: Iterable[dict[str, Any]], now: float | None = None
-) -> Ledger:
+def ledger(events: Events, rows: Iterable[dict[str, Any]], now: float | None = None) -> Ledger:
     """The goodput ledger of a run directory's journal ``events`` and its metrics ``rows``
     (``orchestrator.journal.read_metrics``); ``now``: see :func:`ledger_of`."""
     by_attempt: dict[int, Rows] = {}
@@ -184,14 +194,11 @@ def ledger(
     return ledger_of(events, by_attempt, now)
 
 
-def ledger_of(
-    events: Iterable[dict[str, Any]], rows: dict[int, Rows], now: float | None = None
-) -> Ledger:
+def ledger_of(events: Events, rows: dict[int, Rows], now: float | None = None) -> Ledger:
     """:func:`ledger`, the metrics rows already kept per attempt number (in time order),
     as a process that follows a run keeps them (launch/exporter.py). ``now``: the run is
     live, its attempt still running counts until then."""
-    events = sorted(events, key=lambda e: float(e["time"]))
-    sessions = _sessions(events)
+    sessions = _sessions(typed(events).events)  # in time order
     flat = [att for session in sessions for att in session]
     for att in flat:
         if att.number in rows:
@@ -217,20 +224,20 @@ def ledger_of(
 
 def run_ledger(run_dir: str) -> Ledger:
     """The ledger of a run directory, its files read once."""
-    return ledger(read_journal(run_dir), read_metrics(run_dir))
+    return ledger(read_events(run_dir).events, read_metrics(run_dir))
 
 
-def _sessions(events: list[dict[str, Any]]) -> list[list[_Attempt]]:
+def _sessions(events: list[Event[Any]]) -> list[list[_Attempt]]:
     """The run's sessions, each a list of attempts in order: a supervisor's (from its
     attempt_start and attempt_end events, the earliest start and latest end over nodes),
     or a run's without one (run_start to its last event)."""
-    exited = {int(e.get("attempt", -1)) for e in events if e["kind"] == "supervisor_exit"}
+    exited = {e.attempt for e in events if e.kind == "supervisor_exit"}
     by_attempt: dict[int, _Attempt] = {}
     sessions: list[list[_Attempt]] = []
     current: list[_Attempt] = []
-    supervised = any(e["kind"] == "attempt_start" for e in events)
+    supervised = any(e.kind == "attempt_start" for e in events)
     for e in events:
-        a, t, kind = int(e.get("attempt", 0)), float(e["time"]), e["kind"]
+        a, t, kind, r = e.attempt, e.time, e.kind, e.record
         if supervised:
             att = by_attempt.get(a)
             if kind == "attempt_start":
@@ -243,32 +250,31 @@ def _sessions(events: list[dict[str, Any]]) -> list[list[_Attempt]]:
                 att.start = min(att.start, t)
             elif att is None:
                 continue
-            elif kind == "attempt_end":
+            elif isinstance(r, AttemptEnd):
                 # When its processes were gone (the event comes after the supervisor's
                 # bookkeeping), on any node.
-                att.end = max(att.end, float(e["details"].get("ended_at") or t))
-                att.outcome = att.outcome or e["details"].get("outcome")
-                seen = e["details"].get("progress_time")
-                if seen is not None:
-                    att.progress = max(att.progress or 0.0, float(seen))
-            elif kind == "stop_requested":
-                at = float(e["details"].get("signal_time", t))
+                att.end = max(att.end, r.ended_at or t)
+                att.outcome = att.outcome or r.outcome
+                if r.progress_time is not None:
+                    att.progress = max(att.progress or 0.0, r.progress_time)
+            elif isinstance(r, StopRequested):
+                at = r.signal_time if r.signal_time is not None else t
                 att.stop_at = at if att.stop_at is None else min(att.stop_at, at)
-            elif int(e.get("rank", -1)) >= 0:
+            elif e.rank >= 0:
                 att.events.append(e)
         else:
-            if kind == "run_start" and int(e.get("rank", 0)) == 0:
+            if kind == "run_start" and e.rank == 0:
                 if current:
                     sessions.append(current)
                 current = [_Attempt(a, t, t)]
-            elif current and int(e.get("rank", -1)) >= 0:
+            elif current and e.rank >= 0:
                 att = current[-1]
                 att.events.append(e)
                 att.end = max(att.end, t)
                 if kind == "preempting":
                     att.outcome = "preempted"
-                elif kind == "run_end" and att.outcome is None:
-                    att.outcome = "ok" if e["details"].get("status") == "finished" else "stopped"
+                elif isinstance(r, RunEnd) and att.outcome is None:
+                    att.outcome = "ok" if r.status == "finished" else "stopped"
     if current:
         sessions.append(current)
     return sessions
@@ -291,17 +297,17 @@ def _account(
     # The first completed step: its row, or the event the Guard journals right after it (a
     # process killed within metrics.flush_s of it lost its rows).
     firsts = list(att.rows.times[:1])
-    firsts += [float(e["time"]) for e in att.events if e["kind"] == "first_step"]
+    firsts += [e.time for e in att.events if e.kind == "first_step"]
     first = min(firsts) if firsts else None
     progress = max(
         list(att.rows.times[-1:])
-        + [float(e["time"]) for e in att.events if _progress(e["kind"])]
+        + [e.time for e in att.events if _progress(e.kind)]
         + ([att.progress] if att.progress is not None else []),
         default=att.start,
     )
     stop_at = att.stop_at
     if stop_at is None:  # a stop request without the supervisor's word: the Guard's
-        stops = [float(e["time"]) for e in att.events if e["kind"] == "preempting"]
+        stops = [e.time for e in att.events if e.kind == "preempting"]
         stop_at = min(stops) if stops else None
     if stop_at is not None:
         progress = min(progress, max(stop_at, first or att.start))
@@ -379,8 +385,8 @@ def _wasted(
     if replayed:
         out["replayed"] = (replayed, inner)
     if nxt is not None and att.outcome not in ("ok", "stopped"):
-        resumes = [e for e in nxt.events if e["kind"] == "resume"]
-        at = _anchor(att, int(resumes[0]["details"]["snapshot_step"])) if resumes else start
+        resumes = [e.record for e in nxt.events if isinstance(e.record, Resume)]
+        at = _anchor(att, resumes[0].snapshot_step) if resumes else start
         t0 = start if at is None else min(max(at, start), end)
         span, overheads = end - t0, sum(_overheads(att, t0, end).values())
         # A resume from before a rollback's target: the replayed span inside is counted

@@ -15,13 +15,14 @@ import errno
 import glob
 import json
 import logging
-import math
 import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from orchestrator.events import DAMAGED, EventLog, parse, typed
+from orchestrator.events import quarantine_share as events_quarantine_share
 from orchestrator.protocol import JOURNAL_DIR, JOURNAL_NAME, METRICS_NAME, node_name, node_path
 
 logger = logging.getLogger(__name__)
@@ -166,14 +167,9 @@ def journal_files(run_dir: str) -> list[str]:
     return ([legacy] if os.path.exists(legacy) else []) + nodes
 
 
-def load_journal(run_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """(every node's events merged by time, the ``file:line`` of lines skipped as damaged).
-    A crash or a full disk mid-write leaves a torn line, and anything else can land in a
-    file: a line that is not an event of the journal's shape (JSON, an object with a
-    ``kind``, a finite ``time``, integer ``step``/``rank``/``attempt`` and ``details`` an
-    object) is skipped, never fatal, so every reader can rely on those fields."""
-    events: list[dict[str, Any]] = []
-    damaged: list[str] = []
+def _lines(run_dir: str) -> Iterator[tuple[Any, str]]:
+    """Every non-blank line of every node's journal, parsed as JSON (None where it is not),
+    with where it is (``file:line``)."""
     for path in journal_files(run_dir):
         try:
             f = open(path, encoding="utf-8", errors="replace")
@@ -184,31 +180,41 @@ def load_journal(run_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
                 if not line.strip():
                     continue
                 try:
-                    event = json.loads(line)
-                except ValueError:
-                    event = None
-                if _is_event(event):
-                    events.append(event)
-                else:
-                    damaged.append(f"{os.path.relpath(path, run_dir)}:{n}")
+                    obj = json.loads(line)
+                except (ValueError, RecursionError):
+                    obj = None
+                yield obj, f"{os.path.relpath(path, run_dir)}:{n}"
+
+
+def load_journal(run_dir: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """(every node's events merged by time, the ``file:line`` of lines skipped as damaged).
+    A crash or a full disk mid-write leaves a torn line, and anything else can land in a
+    file: a line that is not an event of the journal's shape (JSON, an object with a
+    ``kind``, a finite ``time``, integer ``step``/``rank``/``attempt`` and ``details`` an
+    object), or whose details do not fit its kind's record (:mod:`orchestrator.events`), is
+    skipped, never fatal, so every reader can rely on those fields. Events of kinds the
+    protocol does not know are kept here (the typed :func:`read_events` skips them)."""
+    events: list[dict[str, Any]] = []
+    damaged: list[str] = []
+    for obj, where in _lines(run_dir):
+        if parse(obj) == DAMAGED:
+            damaged.append(where)
+        else:
+            events.append(obj)
     # Stable: events of one node with equal times keep their order in its file.
     events.sort(key=lambda e: float(e["time"]))
     return events, damaged
 
 
-def _is_event(e: Any) -> bool:
-    def integer(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    return (
-        isinstance(e, dict)
-        and isinstance(e.get("kind"), str)
-        and isinstance(e.get("details"), dict)
-        and isinstance(e.get("time"), (int, float))
-        and not isinstance(e["time"], bool)
-        and math.isfinite(e["time"])
-        and all(integer(e.get(k)) for k in ("step", "rank", "attempt"))
-    )
+def read_events(run_dir: str) -> EventLog:
+    """Every node's events as the protocol's typed :class:`~orchestrator.events.Event`,
+    merged by time; damaged lines and kinds the protocol does not know are skipped and
+    counted in the returned :class:`~orchestrator.events.EventLog`."""
+    log = EventLog()
+    for obj, where in _lines(run_dir):
+        log.add(obj, where)
+    log.events.sort(key=lambda e: e.time)
+    return log
 
 
 def read_journal(run_dir: str) -> Iterator[dict[str, Any]]:
@@ -228,19 +234,9 @@ def per_attempt(events: Iterable[dict[str, Any]], kind: str) -> list[dict[str, A
 
 
 def quarantine_share(events: Iterable[dict[str, Any]]) -> tuple[int, int] | None:
-    """(quarantined samples, distinct samples seen) as the newest ``quarantine`` or
-    ``run_end`` event states them, or None when no event does (nothing quarantined yet, or
-    a journal older than the data budget)."""
-    share = None
-    for e in events:
-        d = e.get("details", {})
-        if "samples_seen" not in d:
-            continue
-        if e["kind"] == "quarantine":
-            share = (int(d["total"]), int(d["samples_seen"]))
-        elif e["kind"] == "run_end":
-            share = (len(d.get("quarantined", [])), int(d["samples_seen"]))
-    return share
+    """:func:`orchestrator.events.quarantine_share` of events given as the journal's dicts
+    (those that do not fit the protocol are left out)."""
+    return events_quarantine_share(typed(events).events)
 
 
 class Decisions:

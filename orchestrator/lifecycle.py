@@ -53,6 +53,7 @@ from orchestrator.protocol import (
     EVENT_GAVE_UP,
     EVENT_PREEMPTED,
     EVENT_PREEMPTING,
+    EVENT_RUN_END,
     POLICY_NAME,
     node_name,
     shm_root,
@@ -557,7 +558,7 @@ class Lifecycle:
                 samples_seen=seen, quarantined_fraction=len(self.cursor.quarantined) / seen
             )
         self.decide(
-            "run_end",
+            EVENT_RUN_END,
             step,
             status=status or ("finished" if finished else "stopped"),
             steps=step,

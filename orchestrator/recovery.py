@@ -37,6 +37,7 @@ from orchestrator.journal import Decisions, Journal
 from orchestrator.logs import RankLogger
 from orchestrator.metrics import Metrics
 from orchestrator.policy import Policy
+from orchestrator.protocol import EVENT_GAVE_UP, EVENT_UNHEALTHY
 from orchestrator.quarantine import Ledger
 from orchestrator.retry import storage_retry
 from orchestrator.snapshot import SnapshotRing
@@ -196,8 +197,8 @@ class Recovery:
             return
         where = {str(r): hosts[r] for r in sick}
         self.decide(
-            "unhealthy", step, reason="divergence", ranks=sick, hosts=sorted(set(where.values())),
-            failed={r: ["replica_digest"] for r in where},
+            EVENT_UNHEALTHY, step, reason="divergence", ranks=sick,
+            hosts=sorted(set(where.values())), failed={r: ["replica_digest"] for r in where},
         )  # fmt: skip
         if self.comm.rank == 0:
             self.log.error(
@@ -485,7 +486,7 @@ class Recovery:
             before_stop()
         named = report.bad_hosts()
         decide(
-            "unhealthy",
+            EVENT_UNHEALTHY,
             step,
             reason=reason,
             ranks=sorted(report.bad),
@@ -541,7 +542,7 @@ class Recovery:
 
     def _give_up(self, step: int, why: str, **evidence: Any) -> None:
         self.decide(
-            "gave_up",
+            EVENT_GAVE_UP,
             step,
             **evidence,
             why=why,

@@ -5,6 +5,7 @@ ratio warning."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -99,3 +100,46 @@ def test_metrics_lost_in_a_crash_are_a_gap_not_a_line(tmp_path: Path) -> None:
         "| steps without metrics | 10-29 (lost in a crash; not drawn) |"
         in Path(md_path).read_text()
     )
+
+
+NO_TORCH = (
+    "import sys; sys.modules['torch'] = None  # any `import torch` now raises\n"
+    "from launch.cli import main; code = main(sys.argv[1:])\n"
+    "assert sys.modules['torch'] is None; sys.exit(code)\n"
+)
+LAYOUT = (
+    "import sys; sys.modules['torch'] = None\n"
+    "from orchestrator.layout import SnapshotLayout\n"
+    "s = SnapshotLayout(sys.argv[1]); c = [c for c in s.candidates() if c.committed]\n"
+    "assert c and [s.check_files(x) for x in c] == [None] * len(c)\n"
+    "print('valid', [x.step for x in c]); assert sys.modules['torch'] is None\n"
+)
+
+
+def test_status_and_report_run_where_torch_does_not_import(demo: Path, tmp_path: Path) -> None:
+    """`orchestrator status` and `report` on the demo's run directory, in a process where
+    importing torch fails, print what they print with torch (the heartbeats' ages aside);
+    the durable snapshots are listed (`status`, `snapshots --quick`) and their files validated
+    (sizes, sha256) too."""
+
+    def cli(torch: bool, *args: str) -> str:
+        head = [sys.executable, "-m", "launch.cli"] if torch else [sys.executable, "-c", NO_TORCH]
+        r = run([*head, *args], timeout=120)
+        assert r.returncode == 0, r.stdout[-3000:]
+        return r.stdout
+
+    def ages(screen: str) -> str:  # the heartbeats' ages and the last event's, which tick
+        return re.sub(r"\d+(\.\d+)? s\b", "_ s", screen)
+
+    screen = cli(False, "status", str(demo))
+    assert ages(screen) == ages(cli(True, "status", str(demo)))
+    assert re.search(r"durable snapshots: \[\d+", screen), screen
+    assert "restarts 1" in screen and "incidents 1" in screen
+    cli(False, "report", str(demo), "--out", str(tmp_path / "without"))
+    cli(True, "report", str(demo), "--out", str(tmp_path / "with"))
+    md = (tmp_path / "without" / "report.md").read_text()
+    assert md == (tmp_path / "with" / "report.md").read_text()
+    assert "| incidents | 1 (0 explained by data, 1 unexplained) |" in md
+    assert "committed (not verified: --quick)" in cli(False, "snapshots", str(demo), "--quick")
+    r = run([sys.executable, "-c", LAYOUT, str(demo / "snapshots")], timeout=60)
+    assert r.returncode == 0 and "valid [" in r.stdout, r.stdout[-3000:]
