@@ -239,21 +239,7 @@ def _drill(args: argparse.Namespace) -> int:
     )  # fmt: skip
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="orchestrator",
-        description="Checkpoint-and-rollback orchestrator for PyTorch training.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    v = sub.add_parser("validate", help="check a policy YAML file; exit 2 if invalid")
-    v.add_argument("file", help="path of the policy YAML")
-    v.set_defaults(func=_validate)
-    sn = sub.add_parser(
-        "snapshots", help="list durable snapshots (step, time, size, valid or why not)"
-    )
-    sn.add_argument("target", help="a run directory, or the fsspec URL of a snapshot store")
-    sn.add_argument("--quick", action="store_true", help="skip checksums and loading")
-    sn.set_defaults(func=_snapshots)
+def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     la = sub.add_parser(
         "launch",
         help="run a training command under the supervisor (restarts, hangs, preemption)",
@@ -270,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     la.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     la.set_defaults(func=_launch)
+
+
+def _add_health(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     he = sub.add_parser(
         "health",
         help="pre-flight health checks of a node allocation; exit 72 if a rank fails",
@@ -280,19 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     he.add_argument("--run-dir", help="where health.json goes (default: ./runs/health-<time>)")
     he.add_argument("cmd", nargs=argparse.REMAINDER, help="-- LAUNCHER ARGS...")
     he.set_defaults(func=_health)
-    st = sub.add_parser("status", help="one screen on a run: attempts, ranks, incidents")
-    st.add_argument("run_dir")
-    st.add_argument("--follow", action="store_true", help="refresh in place until the run ends")
-    st.add_argument(
-        "--interval", type=_positive(float), default=2.0, help="seconds between refreshes"
-    )
-    st.set_defaults(func=_status)
-    rp = sub.add_parser(
-        "report", help="report.md (timeline, totals, quarantine) and report.png of a run"
-    )
-    rp.add_argument("run_dir")
-    rp.add_argument("--out", help="directory for the report (default: the run directory)")
-    rp.set_defaults(func=_report)
+
+
+def _add_drill(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     dr = sub.add_parser(
         "drill",
         help="every fault on every engine, judged against clean runs: a table (exit 1 if a "
@@ -309,6 +288,39 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--steps", type=_positive(int), default=40, help="steps per run (>= 30)")
     dr.add_argument("--readme", help="also put the table between the drill markers of this file")
     dr.set_defaults(func=_drill)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="orchestrator",
+        description="Checkpoint-and-rollback orchestrator for PyTorch training.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("validate", help="check a policy YAML file; exit 2 if invalid")
+    v.add_argument("file", help="path of the policy YAML")
+    v.set_defaults(func=_validate)
+    sn = sub.add_parser(
+        "snapshots", help="list durable snapshots (step, time, size, valid or why not)"
+    )
+    sn.add_argument("target", help="a run directory, or the fsspec URL of a snapshot store")
+    sn.add_argument("--quick", action="store_true", help="skip checksums and loading")
+    sn.set_defaults(func=_snapshots)
+    _add_launch(sub)
+    _add_health(sub)
+    st = sub.add_parser("status", help="one screen on a run: attempts, ranks, incidents")
+    st.add_argument("run_dir")
+    st.add_argument("--follow", action="store_true", help="refresh in place until the run ends")
+    st.add_argument(
+        "--interval", type=_positive(float), default=2.0, help="seconds between refreshes"
+    )
+    st.set_defaults(func=_status)
+    rp = sub.add_parser(
+        "report", help="report.md (timeline, totals, quarantine) and report.png of a run"
+    )
+    rp.add_argument("run_dir")
+    rp.add_argument("--out", help="directory for the report (default: the run directory)")
+    rp.set_defaults(func=_report)
+    _add_drill(sub)
     de = sub.add_parser(
         "demo", help="2 CPU ranks under the supervisor: a NaN and a crash, recovered"
     )

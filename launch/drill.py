@@ -22,7 +22,6 @@ import copy
 import importlib.util
 import json
 import os
-import platform
 import shutil
 import signal
 import socket
@@ -30,139 +29,59 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from orchestrator.errors import EXIT_GAVE_UP, EXIT_PREEMPTED, EXIT_UNHEALTHY
-from orchestrator.journal import read_journal, read_metrics
+from launch.drill_judge import _audit, _recovery, _same_final
+from launch.drill_matrix import (
+    BATCH,
+    DRILL_POLICY,
+    ENGINES,
+    FAULTS,
+    QUICK,
+    SAMPLES,
+    SEED,
+    SHARDED,
+    Cell,
+    Engine,
+    Fault,
+    _poison_id,
+    choose,
+)
+from launch.drill_report import BEGIN, END, machine, table, update_readme
+from orchestrator.journal import read_journal
 from orchestrator.policy import load_policy, parse_policy
 from orchestrator.protocol import ENV_FAULTS, LEDGER_NAME
 
+# The matrix, the judging and the report are re-exported: ``from launch.drill import X`` stays.
+__all__ = [
+    "BATCH",
+    "BEGIN",
+    "DRILL_POLICY",
+    "END",
+    "ENGINES",
+    "FAULTS",
+    "QUICK",
+    "SAMPLES",
+    "SEED",
+    "SHARDED",
+    "Cell",
+    "Drill",
+    "Engine",
+    "Fault",
+    "_same_final",
+    "choose",
+    "machine",
+    "run_drill",
+    "table",
+    "update_readme",
+]
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MARKER = "drill.json"  # an --out folder holding this is a drill's: it may be reused
-BEGIN, END = "<!-- drill:begin -->", "<!-- drill:end -->"
-SEED, SAMPLES, BATCH = 7, 1024, 8  # the examples' data (sampler seed, samples, batch per rank)
-
-
-@dataclass(frozen=True)
-class Engine:
-    name: str
-    script: str
-    args: tuple[str, ...]
-    needs: str | None = None  # a module that must be importable
-
-
-ENGINES = (
-    Engine("ddp", "train_gpt.py", ()),
-    Engine("fsdp2", "train_gpt.py", ("--fsdp",)),
-    Engine("fsdp1", "train_gpt.py", ("--fsdp1",)),
-    Engine("zero1", "train_gpt_deepspeed.py", ("--zero-stage", "1"), "deepspeed"),
-    Engine("zero2", "train_gpt_deepspeed.py", ("--zero-stage", "2"), "deepspeed"),
-    Engine("zero3", "train_gpt_deepspeed.py", ("--zero-stage", "3"), "deepspeed"),
-)
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One column of the matrix. ``faults(world)``: the policy's fault list; ``expect``: the
-    exit code the job must end with; ``bitwise``: whether its final state must equal the
-    clean run's; ``again``: then run the same command again, which must finish."""
-
-    name: str
-    what: str
-    faults: Callable[[int], list[dict[str, Any]]]
-    expect: int = 0
-    bitwise: bool = True
-    policy: dict[str, Any] = field(default_factory=dict)
-    again: bool = False
-    reference: str = "clean"  # which clean run it is compared with
-    tier: str | None = None  # the tier the restart must resume from (else the cell fails)
-    replicas: bool = False  # only where ranks hold the state alike (replica digests)
-
-
-def _poison_id(world: int, step: int = 17) -> int:
-    """A sample the examples first meet at ``step``, on the last rank."""
-    from orchestrator.data import GuardBatchSampler
-
-    sampler = GuardBatchSampler(SAMPLES, BATCH, rank=0, world_size=world, seed=SEED)
-    return int(sampler.global_batch_at(0, step * BATCH * world)[world * BATCH - 3])
-
-
-FAULTS = (
-    Fault("nan", "NaN gradient at step 23 (last rank)",
-          lambda w: [{"kind": "nan_grad", "step": 23, "rank": w - 1}]),
-    Fault("poison", "a sample that is NaN every time (step 17)",
-          lambda w: [{"kind": "poison_sample", "sample": _poison_id(w)}], reference="poison"),
-    Fault("crash", "SIGKILL of the last rank at step 27",
-          lambda w: [{"kind": "crash", "step": 27, "rank": w - 1}]),
-    Fault("hang", "rank 0 blocks forever at step 27",
-          lambda w: [{"kind": "hang", "step": 27, "rank": 0}]),
-    Fault("preempt", "SIGTERM to the supervisor at step 25, then the same command",
-          lambda w: [{"kind": "preempt", "step": 25}], expect=EXIT_PREEMPTED, again=True),
-    Fault("storage", "3 durable writes fail (transient)",
-          lambda w: [{"kind": "storage_error", "op": "write", "times": 3}]),
-    Fault("kill_write", "rank 0 killed between manifest and COMMITTED (step 20)",
-          lambda w: [{"kind": "kill_persist", "phase": "manifest", "step": 20}]),
-    Fault("bad_manifest", "manifest of step 20 garbage, then a crash at 27",
-          lambda w: [{"kind": "corrupt_manifest", "step": 20},
-                     {"kind": "crash", "step": 27, "rank": w - 1, "after_persist": True}]),
-    Fault("bad_shm", "newest shared-memory slot corrupted, then a crash at 27",
-          lambda w: [{"kind": "corrupt_shm", "step": 26, "rank": 0},
-                     {"kind": "crash", "step": 27, "rank": w - 1}],
-          policy={"snapshot": {"shared_memory": True}}, tier="shm"),
-    Fault("divergence", "the last rank's weights drift by 1e-3 at step 25 (a snapshot step)",
-          lambda w: [{"kind": "perturb_params", "step": 25, "rank": w - 1}], replicas=True),
-    Fault("lr_blowup", "the LR 100x from step 24 for 10 steps (a broken schedule)",
-          lambda w: [{"kind": "lr_blowup", "step": 24, "factor": 100.0, "steps": 10}]),
-    Fault("crash_sample", "a sample that raises in the loop body (step 17), every attempt",
-          lambda w: [{"kind": "crash_sample", "sample": _poison_id(w)}], reference="poison"),
-    Fault("broken", "NaN gradients on every step from 25 (a model broken for good)",
-          lambda w: [{"kind": "broken_grads", "step": 25, "rank": w - 1}],
-          expect=EXIT_GAVE_UP, bitwise=False),
-    Fault("unhealthy", "rank 0's collectives carry a wrong value (pre-flight)",
-          lambda w: [{"kind": "corrupt_allreduce", "rank": 0}], expect=EXIT_UNHEALTHY,
-          bitwise=False, policy={"health": {"preflight": True, "timeout_s": 20}}),
-    Fault("absent", "the last rank never enters the health check",
-          lambda w: [{"kind": "miss_health", "rank": w - 1}], expect=EXIT_UNHEALTHY,
-          bitwise=False, policy={"health": {"preflight": True, "timeout_s": 10}}),
-)  # fmt: skip
-# Engines whose model state is sharded: no two ranks hold it alike.
-SHARDED = frozenset({"fsdp2", "fsdp1", "zero3"})
-QUICK = ("nan", "crash", "hang", "preempt", "kill_write", "bad_manifest")
-
-DRILL_POLICY: dict[str, Any] = {
-    "snapshot": {"every_steps": 5, "keep": 3},
-    "persist": {"every_steps": 10, "keep": 3},
-    "adjust": {"lr_factor": 1.0},
-    "supervisor": {
-        "backoff_s": 0.5,
-        "backoff_max_s": 2.0,
-        "hang_timeout_s": 10.0,
-        "heartbeat_interval_s": 0.5,
-        "grace_s": 20.0,
-        "max_unhealthy": 0,
-    },
-}
-
-
-@dataclass
-class Cell:
-    engine: str
-    fault: str
-    what: str
-    expected: str
-    outcome: str = ""
-    passed: bool = False
-    exit_codes: list[int] = field(default_factory=list)
-    bitwise: str = "-"  # yes, NO, or - (not promised)
-    recovery_s: float | None = None  # fault -> next completed step
-    steps_lost: int | None = None
-    data_lost: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    run_dir: str = ""
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -327,135 +246,6 @@ class Drill:
                "cells": [asdict(c) for c in self.cells]}  # fmt: skip
         (self.out / MARKER).write_text(json.dumps(doc, indent=1))
         (self.out / "drill.md").write_text(table(self.cells, self.nproc) + "\n")
-
-
-def _same_final(a: Path, b: Path) -> bool:
-    """Every rank's final state (whole tensors, bytes compared) is the same in both runs."""
-    import torch
-
-    fa, fb = sorted(a.glob("rank*.pt")), sorted(b.glob("rank*.pt"))
-    if not fa or [f.name for f in fa] != [f.name for f in fb]:
-        return False
-    return all(
-        _equal(torch.load(x, weights_only=True), torch.load(y, weights_only=True))
-        for x, y in zip(fa, fb, strict=True)
-    )
-
-
-def _equal(a: Any, b: Any) -> bool:
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        return (
-            isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-        )  # fmt: skip
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return (
-            isinstance(b, (list, tuple)) and len(a) == len(b)
-            and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-        )  # fmt: skip
-    return bool(a == b)
-
-
-def _recovery(run_dir: Path) -> tuple[float | None, int | None]:
-    """(seconds from the fault to the next completed step, steps recomputed) from the
-    journal and metrics; (None, None) for a fault that interrupted nothing."""
-    events = list(read_journal(str(run_dir)))
-    faults = [e for e in events if e["kind"] == "fault"]
-    recovered = [e for e in events if e["kind"] == "recovered"]
-    if faults:
-        at, step = float(faults[-1]["time"]), int(faults[-1]["step"])
-    elif recovered:  # a fault that journals no event of its own (a poison sample)
-        inc = recovered[0]["details"]["incident"]
-        at, step = float(inc["started_at"]), int(inc["step"])
-    else:
-        return None, None
-    back = [e for e in events if e["time"] > at and e["kind"] in ("rollback", "resume")]
-    if not back:
-        return None, None
-    to = back[0]["details"]["to_step" if back[0]["kind"] == "rollback" else "snapshot_step"]
-    # The first step completed after the state was restored (steps a preempted job still
-    # finished before it stopped are not a recovery).
-    rows = [r for r in read_metrics(str(run_dir)) if float(r["time"]) > back[0]["time"]]
-    recovery = round(float(rows[0]["time"]) - at, 2) if rows else None
-    return recovery, max(0, step - int(to))
-
-
-def _audit(run_dir: Path, url: str | None) -> list[str]:
-    from orchestrator.audit import audit
-    from orchestrator.store import signing_key
-
-    try:
-        policy = load_policy(run_dir / "policy.yaml")
-        key = signing_key(policy.persist.signing_key_file)
-        return audit(str(run_dir), url, policy.quarantine.ledger_url, key)
-    except Exception as err:  # the audit itself failed: that is a finding, not a pass
-        return [f"audit failed: {err!r}"]
-
-
-def machine() -> str:
-    """What the drill ran on, for the table's heading."""
-    cores = os.cpu_count() or 0
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            mem = f"{int(f.readline().split()[1]) / 2**20:.0f} GiB"
-    except (OSError, ValueError, IndexError):
-        mem = "? GiB"
-    import torch
-
-    gpu = (
-        f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
-        if torch.cuda.is_available()
-        else "no GPU"
-    )
-    parts = [f"{platform.system()} {platform.machine()}", f"{cores} CPU cores", mem, gpu,
-             f"torch {torch.__version__}"]  # fmt: skip
-    if importlib.util.find_spec("deepspeed") is not None:
-        from importlib.metadata import version
-
-        parts.append(f"deepspeed {version('deepspeed')}")
-    return ", ".join(parts)
-
-
-def table(cells: list[Cell], nproc: int) -> str:
-    head = (
-        f"Fault drill, {time.strftime('%Y-%m-%d')}, {machine()}; {nproc} ranks per run "
-        f"(`orchestrator drill`). {sum(c.passed for c in cells)} of {len(cells)} cells pass.\n\n"
-        "| engine | fault | expected | outcome | bit for bit | fault -> next step | steps lost "
-        "| data lost |\n|---|---|---|---|---|---|---|---|"
-    )
-    rows = [
-        f"| {c.engine} | {c.fault}: {c.what} | {c.expected} | {c.outcome} | {c.bitwise} | "
-        f"{'-' if c.recovery_s is None else f'{c.recovery_s:.1f} s'} | "
-        f"{'-' if c.steps_lost is None else c.steps_lost} | "
-        f"{'none' if not c.data_lost else f'{len(c.data_lost)}: {c.data_lost[0]}'} |"
-        for c in cells
-    ]
-    return "\n".join([head, *rows])
-
-
-def update_readme(path: Path, md: str) -> None:
-    """Put the generated table between the drill markers of ``path``."""
-    text = path.read_text(encoding="utf-8")
-    if BEGIN not in text or END not in text:
-        raise ValueError(f"{path} has no {BEGIN} ... {END} block for the drill's table")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{md}\n{END}{tail}", encoding="utf-8")
-
-
-def choose(names: str | None, pool: tuple[Any, ...], what: str) -> list[Any]:
-    if names is None:
-        return list(pool)
-    by = {x.name: x for x in pool}
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in by]
-    if unknown:
-        raise ValueError(f"unknown {what} {unknown}; known: {', '.join(by)}")
-    return [by[n] for n in wanted]
 
 
 def run_drill(

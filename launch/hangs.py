@@ -55,21 +55,7 @@ def collect(
         r: os.path.join(node_path(run_dir, HEARTBEAT_DIR, node), f"rank{r}.stack") for r in asked
     }
     deadline = time.monotonic() + wait_s
-    sizes: dict[int, int] = {}
-    while time.monotonic() < deadline:  # bounded: a rank may be past answering
-        now = {r: _size(p) for r, p in src.items()}
-        if all(now.values()) and now == sizes:
-            break  # every dump written and no longer growing
-        sizes = now
-        time.sleep(0.2)
-    texts: dict[int, str] = {}
-    for rank, path in src.items():
-        if _size(path):
-            texts[rank] = _read(path)
-            try:
-                shutil.copyfile(path, os.path.join(out, f"rank{rank}.txt"))
-            except OSError:
-                pass  # kept in memory: the culprits are still named
+    texts = _own_stacks(src, out, deadline)
     everyone = {int(b["rank"]): b for b in (every_rank or beats)}
     while time.monotonic() < deadline and not all(  # the other nodes' dumps
         r in texts or _size(os.path.join(out, f"rank{r}.txt")) for r in everyone
@@ -91,6 +77,27 @@ def collect(
         if stacks or states.get(r) not in ("R", "S"):
             named.append(_culprit(b, stacks, states, "stacks"))
     return out, sorted(named, key=lambda c: int(c["rank"])), states
+
+
+def _own_stacks(src: dict[int, str], out: str, deadline: float) -> dict[int, str]:
+    """This node's ranks' dumps (rank -> its ``.stack`` file), once written (until
+    ``deadline``, monotonic), copied into ``out``: rank -> the text."""
+    sizes: dict[int, int] = {}
+    while time.monotonic() < deadline:  # bounded: a rank may be past answering
+        now = {r: _size(p) for r, p in src.items()}
+        if all(now.values()) and now == sizes:
+            break  # every dump written and no longer growing
+        sizes = now
+        time.sleep(0.2)
+    texts: dict[int, str] = {}
+    for rank, path in src.items():
+        if _size(path):
+            texts[rank] = _read(path)
+            try:
+                shutil.copyfile(path, os.path.join(out, f"rank{rank}.txt"))
+            except OSError:
+                pass  # kept in memory: the culprits are still named
+    return texts
 
 
 def name_culprits(

@@ -37,17 +37,11 @@ Runs only at start (``health.preflight``), on incidents (``health.on_incident``)
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import hashlib
 import json
 import logging
-import os
 import socket
-import statistics
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -55,13 +49,14 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.comm import Comm
+from orchestrator.health_checks import _PATTERN, HealthChecks, ieee_fp32
+from orchestrator.health_verdict import BASELINE, HealthReport, HealthVerdict
 from orchestrator.policy import Policy
 from orchestrator.policy_sections import HealthPolicy
-from orchestrator.rundir import write_atomic
 
-BASELINE = "health_baseline.json"
+__all__ = ["BASELINE", "_PATTERN", "HealthChecker", "HealthReport", "HealthTimeout", "ieee_fp32"]
+
 logger = logging.getLogger(__name__)
-_PATTERN = 4099  # elements per rank in the correctness checks (odd: no alignment luck)
 # The share of health.timeout_s the collectives of a check get on each rank; the rest is for
 # the exchange of the evidence through the store (a rank that came late still reports).
 _COLLECTIVE_SHARE = 0.75
@@ -87,66 +82,6 @@ class HealthTimeout(RuntimeError):
     """A collective of the health group did not complete within the check's deadline."""
 
 
-@dataclass
-class HealthReport:
-    """Every rank's evidence (the same list on every rank) and the verdict."""
-
-    reason: str
-    ranks: list[dict[str, Any]] = field(default_factory=list)
-    bad: dict[int, list[str]] = field(default_factory=dict)  # rank -> failed checks
-    bandwidth_gbps: float | None = None
-    baseline_gbps: float | None = None
-    seconds: float = 0.0
-    absent: dict[int, str] = field(default_factory=dict)  # never entered the check -> host
-    silent: dict[int, str] = field(default_factory=dict)  # entered, never reported -> host
-
-    @property
-    def healthy(self) -> bool:
-        return not self.bad
-
-    def hosts(self) -> dict[int, str]:
-        """Rank -> host, of every rank known (those that came, and the absent)."""
-        return {**self.absent, **self.silent, **{r["rank"]: r["host"] for r in self.ranks}}
-
-    def bad_hosts(self) -> dict[int, str]:
-        """Failing rank -> its host."""
-        hosts = self.hosts()
-        return {r: hosts.get(r, "?") for r in sorted(self.bad)}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "reason": self.reason,
-            "healthy": self.healthy,
-            "bad_ranks": {str(r): c for r, c in sorted(self.bad.items())},
-            "hosts": {str(r): h for r, h in self.hosts().items()},
-            "absent": {str(r): h for r, h in self.absent.items()},
-            "silent": {str(r): h for r, h in self.silent.items()},
-            "bandwidth_gbps": self.bandwidth_gbps,
-            "baseline_gbps": self.baseline_gbps,
-            "seconds": round(self.seconds, 3),
-            "ranks": self.ranks,
-        }
-
-    def table(self) -> str:
-        """The per-rank table ``orchestrator health`` prints."""
-        rows = ["rank  host                  collectives  bandwidth   compute  memory  verdict"]
-        for r in self.ranks:
-            c = r["checks"]
-            bw = c.get("bandwidth", {})
-            bw_txt = f"{bw['gbps']:.3f} GB/s" if bw.get("gbps") is not None else "-"
-            rows.append(
-                f"{r['rank']:<5} {r['host'][:20]:<21} "
-                f"{_ok(c.get('collectives')):<12} {bw_txt:<11} "
-                f"{_ok(c.get('compute')):<8} {_ok(c.get('memory')):<7} "
-                + (
-                    "UNHEALTHY: " + ", ".join(self.bad[r["rank"]])
-                    if r["rank"] in self.bad
-                    else "ok"
-                )
-            )
-        return "\n".join(rows)
-
-
 def _default_store() -> Any:
     """The default process group's store (torchrun's TCPStore), or None."""
     try:
@@ -155,50 +90,7 @@ def _default_store() -> Any:
         return None
 
 
-def _ok(check: dict[str, Any] | None) -> str:
-    if check is None:
-        return "-"
-    return "ok" if check.get("ok") else "FAIL"
-
-
-@contextlib.contextmanager
-def ieee_fp32() -> Iterator[None]:
-    """fp32 matmuls at IEEE precision inside, whatever the script set (TF32 through
-    ``torch.backends.cuda.matmul.allow_tf32`` or ``set_float32_matmul_precision("high")``,
-    bf16 through ``"medium"`` on CPUs with oneDNN, cuDNN's TF32); every setting is restored
-    on the way out.
-
-    Set through ``set_float32_matmul_precision("highest")``, which keeps torch's legacy and new
-    precision settings consistent (cuBLAS refuses a mix of them); restored through both. A
-    legacy setting torch cannot read (the script mixed the two APIs) comes back as the new
-    API's values, which are what the kernels follow."""
-    b = torch.backends
-    ops = (b.cuda.matmul, getattr(b.mkldnn, "matmul"))  # noqa: B009 (not in torch's stubs)
-    new = [op.fp32_precision for op in ops]
-    try:
-        legacy: str | None = torch.get_float32_matmul_precision()
-    except RuntimeError:  # the legacy and new APIs were mixed: torch will not say
-        legacy = None
-    try:
-        cudnn: bool | None = b.cudnn.allow_tf32
-    except RuntimeError:
-        cudnn = None
-    torch.set_float32_matmul_precision("highest")
-    if cudnn is not None:
-        b.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        if cudnn is not None:
-            b.cudnn.allow_tf32 = cudnn
-        if legacy is not None:
-            torch.set_float32_matmul_precision(legacy)
-        for op, value in zip(ops, new, strict=True):
-            if op.fp32_precision != value:
-                op.fp32_precision = value
-
-
-class HealthChecker:
+class HealthChecker(HealthChecks, HealthVerdict):
     """Build on every rank of ``comm``'s group at start (creating the health group is
     collective, and so is its first, tiny, collective), then call :meth:`run` on every rank
     together."""
@@ -399,196 +291,6 @@ class HealthChecker:
             return [mine]
         return [mine if r == me else json.loads(values[k]) for r, k in enumerate(keys)
                 if r == me or k in values]  # fmt: skip
-
-    # --- verdict ------------------------------------------------------------------------------
-    def _judge(self, report: HealthReport, baseline: float | None) -> None:
-        bad: dict[int, list[str]] = {}
-
-        def flag(rank: int, what: str) -> None:
-            if what not in bad.setdefault(rank, []):
-                bad[rank].append(what)
-
-        for rank in report.absent:
-            flag(rank, "absent: never entered the health check (hung or dead)")
-        for rank in report.silent:
-            flag(rank, "absent: entered the health check but never reported within "
-                       "health.timeout_s (stopped, hung or dead)")  # fmt: skip
-        missing = report.absent or report.silent
-        for r in report.ranks:
-            c = r["checks"]
-            for name in ("compute", "memory"):
-                if not c[name]["ok"]:
-                    flag(r["rank"], name)
-            coll = c.get("collectives")
-            if coll is not None:
-                for sender in coll.get("bad_senders", []):  # named by whoever received
-                    flag(sender, "collectives")
-                timed_out = "error" in coll or "gather" in c
-                if timed_out and not missing:  # else the missing rank explains it
-                    flag(r["rank"], "collectives (timed out or failed)")
-            elif "gather" in c and not missing:
-                flag(r["rank"], "collectives (timed out or failed)")
-        sums = [r["checks"]["compute"]["checksum"] for r in report.ranks]
-        if len(sums) >= 3:  # with 2 ranks there is no majority; the fp64 reference decides
-            majority = max(set(sums), key=sums.count)
-            for r, digest in zip(report.ranks, sums, strict=True):
-                if digest != majority:
-                    flag(r["rank"], "compute (result differs from the other ranks')")
-        self._judge_bandwidth(report, baseline, flag)
-        report.bad = bad
-
-    def _judge_bandwidth(self, report: HealthReport, baseline: float | None, flag: Any) -> None:
-        measured = [r["checks"].get("bandwidth") for r in report.ranks]
-        if (
-            len(measured) < self.comm.world_size
-            or not measured
-            or any(m is None or m.get("gbps") is None for m in measured)
-        ):
-            return
-        gbps = min(m["gbps"] for m in measured)
-        report.bandwidth_gbps = gbps
-        if baseline is None:
-            self._first_baseline(gbps)
-        report.baseline_gbps = baseline
-        if baseline is None or gbps >= self.policy.min_bandwidth_ratio * baseline:
-            return
-        # Everyone waits for the slowest rank inside the collective; the laggard waits least.
-        waits = [m["wait_s"] for m in measured]
-        cutoff = min(waits) + 0.5 * (statistics.median(waits) - min(waits))
-        for r, m in zip(report.ranks, measured, strict=True):
-            if m["wait_s"] <= cutoff:
-                flag(r["rank"], f"bandwidth {gbps:.3f} GB/s < {self.policy.min_bandwidth_ratio}"
-                     f" x baseline {baseline:.3f}")  # fmt: skip
-
-    def _read_baseline(self) -> float | None:
-        """Rank 0: the first bandwidth measured in this run directory (at preflight), which
-        goes to every rank with rank 0's evidence."""
-        if self.run_dir is None:
-            return None
-        path = os.path.join(self.run_dir, BASELINE)
-        # Bookkeeping: a baseline that cannot be read (a damaged file) is said and the check
-        # goes on without it.
-        try:
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as f:
-                    return float(json.load(f)["gbps"])
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            logger.error("rank 0: bandwidth baseline %s: %r; checked without it", path, err)
-        return None
-
-    def _first_baseline(self, gbps: float) -> None:
-        """Rank 0, at preflight with no baseline yet: keep ``gbps`` as the baseline."""
-        if self.run_dir is None or self.comm.rank != 0 or not self.policy.preflight:
-            return
-        path = os.path.join(self.run_dir, BASELINE)
-        try:  # a full disk: said, and the check goes on without a baseline
-            if not os.path.exists(path):
-                write_atomic(path, json.dumps({"gbps": gbps, "time": time.time()}))
-        except OSError as err:
-            logger.error("rank 0: bandwidth baseline %s: %r; checked without it", path, err)
-
-    # --- the checks -----------------------------------------------------------------------------
-    def _pattern(self, rank: int) -> torch.Tensor:
-        """What rank ``rank`` contributes: distinct per rank, exact in float32."""
-        base = torch.arange(_PATTERN, dtype=torch.float32, device=self.device)
-        return (base % 1021) * (rank + 1) + rank
-
-    def _mine(self) -> torch.Tensor:
-        return self._pattern(self.comm.rank)
-
-    def _all_reduce(self, t: torch.Tensor) -> None:
-        self._settle(dist.all_reduce(t, group=self.group, async_op=True), t)
-
-    def _collectives(self) -> dict[str, Any]:
-        world, group = self.comm.world_size, self.group
-        assert group is not None
-        bad_senders: set[int] = set()
-        # all_gather: every rank checks every other rank's block.
-        out = [torch.empty(_PATTERN, device=self.device) for _ in range(world)]
-        mine = self._mine()
-        self._settle(dist.all_gather(out, mine, group=group, async_op=True), mine, *out)
-        for r, got in enumerate(out):
-            if r != self.comm.rank and not torch.equal(got, self._pattern(r)):
-                bad_senders.add(r)
-        # broadcast from every rank in turn.
-        for root in range(world):
-            t = (
-                self._mine()
-                if root == self.comm.rank
-                else torch.empty(_PATTERN, device=self.device)
-            )
-            src = dist.get_global_rank(group, root)
-            self._settle(dist.broadcast(t, src=src, group=group, async_op=True), t)
-            if root != self.comm.rank and not torch.equal(t, self._pattern(root)):
-                bad_senders.add(root)
-        # all_reduce: the sum of every pattern (exact: small integers in float32).
-        t = self._mine()
-        self._all_reduce(t)
-        expected = sum((self._pattern(r) for r in range(world)), torch.zeros_like(t))
-        reduce_ok = torch.equal(t, expected)
-        return {
-            "ok": not bad_senders and reduce_ok,
-            "bad_senders": sorted(bad_senders),
-            "all_reduce_ok": reduce_ok,
-        }
-
-    def _bandwidth(self) -> dict[str, Any]:
-        n = int(self.policy.bandwidth_mb * 2**20) // 4
-        buf = torch.ones(n, dtype=torch.float32, device=self.device)
-        self._all_reduce(buf)  # warm-up (connections, allocations)
-        times: list[float] = []
-        waits: list[float] = []
-        for _ in range(self.policy.bandwidth_reps):
-            self._all_reduce(torch.zeros(1, device=self.device))  # a barrier, bounded
-            t0 = time.perf_counter()
-            self._pace(times)
-            t1 = time.perf_counter()
-            self._all_reduce(buf)  # complete on the device when it returns
-            t2 = time.perf_counter()
-            times.append(t2 - t0)
-            waits.append(t2 - t1)
-        world = self.comm.world_size
-        seconds = statistics.median(times)
-        bus_bytes = 2 * (world - 1) / world * n * 4  # what a ring all-reduce moves per rank
-        return {
-            "ok": True,  # judged against the baseline once every rank's number is known
-            "gbps": bus_bytes / seconds / 1e9,
-            "seconds": seconds,
-            "wait_s": statistics.median(waits),
-        }
-
-    def _compute(self) -> dict[str, Any]:
-        n = self.policy.compute_size
-        g = torch.Generator(device="cpu").manual_seed(1234)
-        a = torch.randn(n, n, generator=g).to(self.device)
-        c = self._product(a)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        ref = a.double() @ a.double()
-        err = float(((c.double() - ref).abs() / (ref.abs() + 1.0)).max())
-        digest = hashlib.sha256(c.cpu().numpy().tobytes()).hexdigest()[:16]
-        # fp32 accumulation over n terms: about n * 2^-24 relative, far below this.
-        return {"ok": err < 1e-3, "max_rel_error": err, "checksum": digest}
-
-    def _product(self, a: torch.Tensor) -> torch.Tensor:
-        """The self-test's matmul (``a @ a``), at IEEE fp32."""
-        with ieee_fp32():  # TF32 (or bf16 on CPU) would miss the threshold on every rank
-            return a @ a
-
-    def _pace(self, times: list[float]) -> None:
-        """Called as each timed repetition of the bandwidth check starts (``times``: the
-        repetitions before it); the time spent here counts, the wait does not. Nothing in a
-        real check: a drill slows a rank down here."""
-
-    def _memory(self) -> dict[str, Any]:
-        n = int(self.policy.memory_mb * 2**20)
-        if n == 0:
-            return {"ok": True}
-        expected = (torch.arange(n, dtype=torch.int32, device=self.device) % 251).to(torch.uint8)
-        buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-        buf.copy_(expected)
-        mismatches = int((buf != expected).sum())
-        return {"ok": mismatches == 0, "mismatches": mismatches}
 
     def close(self, abort: bool = False) -> None:
         """Release the health group: destroyed after a clean run; aborted with ``abort``

@@ -19,46 +19,25 @@ A restore copies back out of the host buffers into the live tensors
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from orchestrator.pinned import register, unregister
+from orchestrator.pinned import unregister
+from orchestrator.snapshot_copy import (
+    Leaf,
+    _aligned,
+    _arena,
+    _copy,
+    _maybe_stream,
+    flatten,
+    slot_bytes,
+    unflatten,
+)
 
-
-@dataclass(frozen=True)
-class Leaf:
-    index: int
-    device: torch.device
-
-
-def flatten(obj: Any, leaves: list[torch.Tensor]) -> Any:
-    """Replace every tensor in ``obj`` with a ``Leaf`` placeholder, collecting the tensors."""
-    if isinstance(obj, torch.Tensor):
-        leaves.append(obj)
-        return Leaf(len(leaves) - 1, obj.device)
-    if isinstance(obj, dict):
-        return {k: flatten(v, leaves) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [flatten(v, leaves) for v in obj]
-    if type(obj) is tuple:  # subclasses (namedtuples, torch.Size) are kept whole
-        return tuple(flatten(v, leaves) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def unflatten(skel: Any, get: Callable[[Leaf], torch.Tensor]) -> Any:
-    if isinstance(skel, Leaf):
-        return get(skel)
-    if isinstance(skel, dict):
-        return {k: unflatten(v, get) for k, v in skel.items()}
-    if isinstance(skel, list):
-        return [unflatten(v, get) for v in skel]
-    if type(skel) is tuple:
-        return tuple(unflatten(v, get) for v in skel)
-    return copy.deepcopy(skel)
+__all__ = ["Alloc", "Leaf", "Snapshot", "SnapshotRing", "flatten", "slot_bytes", "unflatten"]
 
 
 @dataclass
@@ -191,6 +170,33 @@ class SnapshotRing:
             before = len(leaves)
             skeleton[key] = flatten(value, leaves)
             mask += [key in alike] * (len(leaves) - before)
+        buffers, copies = self._slot_buffers(victim, leaves, mask)
+        # The device is the state's own (never the current device: a rank that did not call
+        # torch.cuda.set_device would put the stream on device 0).
+        device = next((t.device for t in leaves if t.is_cuda), None)
+        copied, ready = self._copy_in(leaves, buffers, copies, volatile, device)
+        snap = Snapshot(
+            step=step,
+            skeleton=skeleton,
+            buffers=buffers,
+            nbytes=sum(b.numel() * b.element_size() for b in buffers),
+            copied=copied,
+            ready=ready,
+            slot=victim,
+            device=device,
+            # The sources stay alive until the compute stream waits for their copies (the
+            # fence): freed earlier, their memory could be reused while still being read.
+            sources=leaves if ready is not None else None,
+        )
+        self._buffers[victim] = buffers
+        self.slots[victim] = snap
+        return snap
+
+    def _slot_buffers(
+        self, victim: int, leaves: list[torch.Tensor], mask: list[bool]
+    ) -> tuple[list[torch.Tensor], list[tuple[int, int] | None] | None]:
+        """The buffers of slot ``victim`` for ``leaves`` (``alloc``'s, else its own arena's),
+        and what this rank copies of each (None: all of every one)."""
         reuse = self._buffers[victim]
         copies: list[tuple[int, int] | None] | None = None
         if self._alloc is not None:
@@ -203,9 +209,18 @@ class SnapshotRing:
             buffers = list(reuse)
         else:
             buffers = self._own(victim, leaves)
-        # The device is the state's own (never the current device: a rank that did not call
-        # torch.cuda.set_device would put the stream on device 0).
-        device = next((t.device for t in leaves if t.is_cuda), None)
+        return buffers, copies
+
+    def _copy_in(
+        self,
+        leaves: list[torch.Tensor],
+        buffers: list[torch.Tensor],
+        copies: list[tuple[int, int] | None] | None,
+        volatile: frozenset[int],
+        device: torch.device | None,
+    ) -> tuple[int, Any]:
+        """Copy ``leaves`` into ``buffers`` (on ``device``'s side stream, the ``volatile``
+        ones first); the bytes copied and the CUDA event recorded after the copies."""
         compute = torch.cuda.current_stream(device) if device is not None else None
         stream = self._side_stream(device) if device is not None else None
         first = [i for i, t in enumerate(leaves) if t.data_ptr() in volatile and t.numel()]
@@ -226,22 +241,7 @@ class SnapshotRing:
         if stream is not None:
             ready = torch.cuda.Event()
             ready.record(stream)
-        snap = Snapshot(
-            step=step,
-            skeleton=skeleton,
-            buffers=buffers,
-            nbytes=sum(b.numel() * b.element_size() for b in buffers),
-            copied=copied,
-            ready=ready,
-            slot=victim,
-            device=device,
-            # The sources stay alive until the compute stream waits for their copies (the
-            # fence): freed earlier, their memory could be reused while still being read.
-            sources=leaves if ready is not None else None,
-        )
-        self._buffers[victim] = buffers
-        self.slots[victim] = snap
-        return snap
+        return copied, ready
 
     def _own(self, slot: int, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
         """Host buffers for ``leaves`` in ``slot``: its last ones while the shapes hold,
@@ -372,52 +372,3 @@ class SnapshotRing:
         if old_enough:
             return old_enough[-1], True
         return (sealed[0], False) if sealed else (None, False)
-
-
-ALIGN = 64  # every buffer in an arena starts on a cache line (and any dtype's alignment)
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def slot_bytes(estimate: int) -> int:
-    """The bytes of one private ring slot for a state estimated at ``estimate`` bytes: room
-    for each tensor's alignment and the small values the Guard adds (what the host-memory
-    check budgets, exactly)."""
-    return _aligned(estimate + estimate // 64 + (1 << 20))
-
-
-def _arena(nbytes: int, pin: bool) -> torch.Tensor:
-    """``nbytes`` of host memory, page-locked at exactly that size with ``pin``: torch's
-    pinned allocator would round it up to a power of two (up to twice the budget)."""
-    arena = torch.empty(_aligned(max(nbytes, 1)), dtype=torch.uint8)
-    if pin:
-        register(arena)
-    return arena
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, part: tuple[int, int] | None) -> int:
-    """Copy ``src`` (or the elements ``part`` of its flattened view) into ``dst``; the bytes
-    copied."""
-    if part is None:
-        dst.copy_(src.detach(), non_blocking=src.is_cuda)
-        return dst.numel() * dst.element_size()
-    a, b = part
-    if b <= a:
-        return 0
-    dst.view(-1)[a:b].copy_(src.detach().reshape(-1)[a:b], non_blocking=src.is_cuda)
-    return (b - a) * dst.element_size()
-
-
-class _maybe_stream:
-    def __init__(self, stream: Any) -> None:
-        self.ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self) -> None:
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
