@@ -238,18 +238,21 @@ def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | No
         "|---|---|---|---|---|",
     ]
     out += [f"| {a} | {b} | {c} | {d} | {e} |" for a, b, c, d, e in timeline(rec)]
-    out += ["", "## Quarantine", ""]
+    out += ["", "## Quarantine", "", *_quarantine_table(rec)]
+    return "\n".join(out) + "\n"
+
+
+def _quarantine_table(rec: RunRecord) -> list[str]:
     quarantines = rec.of(Quarantine)
     if not quarantines:
-        out.append("No sample was quarantined.")
-    else:
-        out += ["| sample | quarantined at step | why | ledger |", "|---|---|---|---|"]
-        incidents = {e.step: e.record.reason for e in rec.of(Incident)}
-        for q in quarantines:
-            why = incidents.get(q.step, "incident")
-            for i in q.record.samples:
-                out.append(f"| {i} | {q.step} | {why} | {q.details.get('ledger', '')} |")
-    return "\n".join(out) + "\n"
+        return ["No sample was quarantined."]
+    out = ["| sample | quarantined at step | why | ledger |", "|---|---|---|---|"]
+    incidents = {e.step: e.record.reason for e in rec.of(Incident)}
+    for q in quarantines:
+        why = incidents.get(q.step, "incident")
+        for i in q.record.samples:
+            out.append(f"| {i} | {q.step} | {why} | {q.details.get('ledger', '')} |")
+    return out
 
 
 def _share(x: float | None) -> str:

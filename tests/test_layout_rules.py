@@ -23,8 +23,6 @@ LONG_MODULES = {
     "work of issue 31 (split after it lands, not beside it)",
     "orchestrator/lifecycle.py": "start and close; rebuilt by the factory work of issue 31",
     "orchestrator/recovery.py": "incidents and rollback; rebuilt by the factory work of issue 31",
-    "orchestrator/store.py": "the durable store; its events are retyped by the event-protocol "
-    "work of issue 31 (split after it lands)",
 }
 
 # "path::Qualified.name" -> why it is still over MAX_FUNCTION_LINES.
