@@ -55,8 +55,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.comm import Comm
-from orchestrator.policy import Policy
-from orchestrator.policy_sections import HealthPolicy
+from orchestrator.policy_sections import DiagnosePolicy, HealthPolicy
 from orchestrator.rundir import write_atomic
 
 BASELINE = "health_baseline.json"
@@ -204,10 +203,11 @@ class HealthChecker:
     together."""
 
     @classmethod
-    def for_policy(cls, policy: Policy, comm: Comm, run_dir: str) -> HealthChecker | None:
-        """A checker if the policy runs health checks anywhere (preflight, on incidents, or
-        as a diagnosis action), else None."""
-        h, d = policy.health, policy.diagnose
+    def for_policy(
+        cls, h: HealthPolicy, d: DiagnosePolicy, comm: Comm, run_dir: str
+    ) -> HealthChecker | None:
+        """A checker if the policy's ``health`` and ``diagnose`` sections run health checks
+        anywhere (preflight, on incidents, or as a diagnosis action), else None."""
         actions = d.actions.values()
         if h.preflight or h.on_incident or (d.rerun and any("health" in a for a in actions)):
             return cls(h, comm, run_dir)
