@@ -29,7 +29,7 @@ from orchestrator.investigate import Investigation, InvestigationPolicy
 from orchestrator.keeper import KeeperPolicy, StateKeeper
 from orchestrator.lifecycle import Lifecycle
 from orchestrator.metrics import Metrics
-from orchestrator.policy import Policy
+from orchestrator.policy import Policy, SnapshotPolicy
 from orchestrator.protocol import ENV_SHM_DIR, LEDGER_NAME
 from orchestrator.quarantine import Ledger
 from orchestrator.recovery import Recovery
@@ -124,28 +124,9 @@ def build(
         LedgerUnreadable: the quarantine ledger does not parse.
     """
     p, comm = policy, ctx.comm
-    shm = open_shm(p.snapshot, comm, ctx.run_dir, ctx.attempt)  # None: private memory
-    if shm is not None:
-        teardown.add(lambda: shm.close(remove=ENV_SHM_DIR not in os.environ))
-    reserve = engine.estimate_state_bytes()
-    if shm is not None:
-        shm.reserve_bytes = reserve
-        shm.reserve_alike = engine.state_replicated
-    ring = SnapshotRing(
-        p.snapshot.keep,
-        alloc=shm.alloc if shm else None,
-        on_drop=shm.drop if shm else None,
-        reserve_bytes=0 if shm else reserve,
-    )
+    shm, ring = _ring(p.snapshot, ctx, engine, teardown)
     adjuster = LRAdjuster(p.adjust)
-    ledger = Ledger(p.quarantine.ledger_url or os.path.join(ctx.run_dir, LEDGER_NAME))
-    # Rank 0 reads, every rank gets the same set: shards must never overlap. Entries
-    # an earlier process quarantined but could not write count as well.
-    # The previous attempt's death in a loop body, if it died there (crashes.py),
-    # is read with the ledger: before any rank's marker of this attempt replaces it.
-    in_ledger, held, suspect = load_ledger(comm, ledger, ctx.run_dir, ctx.decide, ctx.attempt)
-    crashed = suspect.culprits if suspect is not None else []
-    in_ledger |= set(crashed)  # quarantined from the start: the replay skips them
+    ledger, in_ledger, held, suspect = _ledger(p, ctx)
     marker = StepMarker(ctx.run_dir, comm.global_rank, ctx.attempt)
     teardown.add(marker.close)
     cursor = DataCursor(comm, in_ledger, p.quarantine.window_steps)
@@ -153,15 +134,7 @@ def build(
         ctx, p.persist, engine, hooks.event, intervals=intervals, policy_digest=p.digest(), shm=shm
     )
     teardown.add(durable.close)
-    heartbeat = Heartbeat(
-        ctx.run_dir,
-        comm.global_rank,
-        ctx.attempt,
-        p.supervisor.heartbeat_interval_s,
-        on_error=lambda err: ctx.journal.write(
-            "heartbeat_failed", hooks.step(), {"error": repr(err)}
-        ),
-    )
+    heartbeat = _heartbeat(p, ctx, hooks)
     teardown.add(heartbeat.close)
     keeper = StateKeeper(
         ctx, KeeperPolicy.of(p), engine, ring, durable, cursor=cursor, adjuster=adjuster,
@@ -183,21 +156,74 @@ def build(
         ctx, p, keeper=keeper, durable=durable, heartbeat=heartbeat, metrics=metrics,
         health=health, recovery=recovery, cursor=cursor,
     )  # fmt: skip
-    tuner = Tuner(
+    autotune = AutoTune(
+        ctx, _tuner(p), intervals, durable=durable, keeper=keeper, recovery=recovery,
+        event=hooks.event,
+    )  # fmt: skip
+    return Components(
+        ctx, shm, ring, adjuster, cursor, marker, durable, heartbeat, keeper, check, metrics,
+        health, Investigation(ctx, InvestigationPolicy.of(p), engine), recovery, lifecycle,
+        autotune, suspect, len(in_ledger),
+    )  # fmt: skip
+
+
+def _ring(
+    snap: SnapshotPolicy, ctx: Context, engine: Engine, teardown: Teardown
+) -> tuple[ShmSlots | None, SnapshotRing]:
+    """The host ring: in this rank's shared-memory slots (``snapshot.shared_memory``) or
+    in private memory."""
+    shm = open_shm(snap, ctx.comm, ctx.run_dir, ctx.attempt)  # None: private memory
+    if shm is not None:
+        teardown.add(lambda: shm.close(remove=ENV_SHM_DIR not in os.environ))
+    reserve = engine.estimate_state_bytes()
+    if shm is not None:
+        shm.reserve_bytes = reserve
+        shm.reserve_alike = engine.state_replicated
+    ring = SnapshotRing(
+        snap.keep,
+        alloc=shm.alloc if shm else None,
+        on_drop=shm.drop if shm else None,
+        reserve_bytes=0 if shm else reserve,
+    )
+    return shm, ring
+
+
+def _ledger(p: Policy, ctx: Context) -> tuple[Ledger, set[int], Held, Suspicion | None]:
+    """The quarantine ledger, the ids quarantined from the start, the entries an earlier
+    process did not write, and what the last attempt died on (collective)."""
+    ledger = Ledger(p.quarantine.ledger_url or os.path.join(ctx.run_dir, LEDGER_NAME))
+    # Rank 0 reads, every rank gets the same set: shards must never overlap. Entries
+    # an earlier process quarantined but could not write count as well.
+    # The previous attempt's death in a loop body, if it died there (crashes.py),
+    # is read with the ledger: before any rank's marker of this attempt replaces it.
+    in_ledger, held, suspect = load_ledger(ctx.comm, ledger, ctx.run_dir, ctx.decide, ctx.attempt)
+    crashed = suspect.culprits if suspect is not None else []
+    in_ledger |= set(crashed)  # quarantined from the start: the replay skips them
+    return ledger, in_ledger, held, suspect
+
+
+def _heartbeat(p: Policy, ctx: Context, hooks: Hooks) -> Heartbeat:
+    """This rank's heartbeat file; a failed write is journaled."""
+    return Heartbeat(
+        ctx.run_dir,
+        ctx.comm.global_rank,
+        ctx.attempt,
+        p.supervisor.heartbeat_interval_s,
+        on_error=lambda err: ctx.journal.write(
+            "heartbeat_failed", hooks.step(), {"error": repr(err)}
+        ),
+    )
+
+
+def _tuner(p: Policy) -> Tuner:
+    """``every_steps: auto``'s chooser (inactive when no interval is automatic)."""
+    return Tuner(
         p.tune,
         p.snapshot.auto_every_steps,
         p.persist.auto_every_steps,
         p.snapshot.shared_memory,
         ring_min_steps(p.snapshot),
     )
-    autotune = AutoTune(
-        ctx, tuner, intervals, durable=durable, keeper=keeper, recovery=recovery, event=hooks.event
-    )
-    return Components(
-        ctx, shm, ring, adjuster, cursor, marker, durable, heartbeat, keeper, check, metrics,
-        health, Investigation(ctx, InvestigationPolicy.of(p), engine), recovery, lifecycle,
-        autotune, suspect, len(in_ledger),
-    )  # fmt: skip
 
 
 def _metrics(p: Policy, ctx: Context, hooks: Hooks) -> Metrics:

@@ -325,6 +325,23 @@ class Lifecycle:
             self.health.close(abort=on_exit or ending_on_error())
         self.heartbeat.beat(step, phase="done", force=True)
         self.heartbeat.close()
+        summary = self._summary()
+        self.decide(
+            "run_end",
+            step,
+            status=status or ("finished" if finished else "stopped"),
+            steps=step,
+            quarantined=sorted(self.cursor.quarantined),
+            **summary,
+        )
+        self.journal.close()
+        # Last: a launcher's SIGTERM during close (it tears the job down when a peer
+        # died) is noted, not fatal, until the run's end is journaled.
+        self.signals.restore()
+
+    def _summary(self) -> dict[str, Any]:
+        """What ``run_end`` says of the attempt and the run (incidents, rollbacks, samples
+        seen and quarantined, metrics rows lost)."""
         summary: dict[str, Any] = {
             "attempt_incidents": len(self.recovery.incidents),
             "attempt_rollbacks": self.recovery.rollbacks,
@@ -346,15 +363,4 @@ class Lifecycle:
             summary.update(
                 samples_seen=seen, quarantined_fraction=len(self.cursor.quarantined) / seen
             )
-        self.decide(
-            "run_end",
-            step,
-            status=status or ("finished" if finished else "stopped"),
-            steps=step,
-            quarantined=sorted(self.cursor.quarantined),
-            **summary,
-        )
-        self.journal.close()
-        # Last: a launcher's SIGTERM during close (it tears the job down when a peer
-        # died) is noted, not fatal, until the run's end is journaled.
-        self.signals.restore()
+        return summary
