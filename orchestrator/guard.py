@@ -142,7 +142,7 @@ class Guard(StepInternals):
             raise
 
     def _adopt(self, ctx: Context, c: Components) -> None:
-        """Hold the built components (the fault wrappers and tests reach them by name)."""
+        """Hold the built components (drills and tests reach them by name)."""
         self.ctx, self.run_dir, self.attempt, self.journal = (
             ctx,
             ctx.run_dir,
