@@ -310,38 +310,7 @@ class Lifecycle:
                 # A finished run can be picked up (or resumed at another world size) from
                 # its last step.
                 self.keeper.persist_now(step, self.recovery.rollbacks, "closing")
-        self.recovery.flush_ledger()  # entries a storage failure held back, if any
-        if not self.durable.close(abandon=(lambda: self.signals.requested) if on_exit else None):
-            logger.warning(
-                "rank %d: a durable write was still in flight at exit and was abandoned; "
-                "its step stays uncommitted (committed snapshots are unchanged)",
-                self.comm.rank,
-            )
-        if self.keeper.shm is not None:  # without a supervisor, nobody else removes it
-            self.keeper.shm.close(remove=ENV_SHM_DIR not in os.environ)
-        self.keeper.ring.close()
-        self.metrics.flush()
-        if self.health is not None:
-            self.health.close(abort=on_exit or ending_on_error())
-        self.heartbeat.beat(step, phase="done", force=True)
-        self.heartbeat.close()
-        summary = self._summary()
-        self.decide(
-            "run_end",
-            step,
-            status=status or ("finished" if finished else "stopped"),
-            steps=step,
-            quarantined=sorted(self.cursor.quarantined),
-            **summary,
-        )
-        self.journal.close()
-        # Last: a launcher's SIGTERM during close (it tears the job down when a peer
-        # died) is noted, not fatal, until the run's end is journaled.
-        self.signals.restore()
-
-    def _summary(self) -> dict[str, Any]:
-        """What ``run_end`` says of the attempt and the run (incidents, rollbacks, samples
-        seen and quarantined, metrics rows lost)."""
+        self._stop(step, on_exit)
         summary: dict[str, Any] = {
             "attempt_incidents": len(self.recovery.incidents),
             "attempt_rollbacks": self.recovery.rollbacks,
@@ -363,4 +332,34 @@ class Lifecycle:
             summary.update(
                 samples_seen=seen, quarantined_fraction=len(self.cursor.quarantined) / seen
             )
-        return summary
+        self.decide(
+            "run_end",
+            step,
+            status=status or ("finished" if finished else "stopped"),
+            steps=step,
+            quarantined=sorted(self.cursor.quarantined),
+            **summary,
+        )
+        self.journal.close()
+        # Last: a launcher's SIGTERM during close (it tears the job down when a peer
+        # died) is noted, not fatal, until the run's end is journaled.
+        self.signals.restore()
+
+    def _stop(self, step: int, on_exit: bool) -> None:
+        """Write what the ledger held back; stop the writer (abandoning a write in flight
+        on a SIGTERM ``on_exit``), the ring, metrics, checkers and heartbeat."""
+        self.recovery.flush_ledger()  # entries a storage failure held back, if any
+        if not self.durable.close(abandon=(lambda: self.signals.requested) if on_exit else None):
+            logger.warning(
+                "rank %d: a durable write was still in flight at exit and was abandoned; "
+                "its step stays uncommitted (committed snapshots are unchanged)",
+                self.comm.rank,
+            )
+        if self.keeper.shm is not None:  # without a supervisor, nobody else removes it
+            self.keeper.shm.close(remove=ENV_SHM_DIR not in os.environ)
+        self.keeper.ring.close()
+        self.metrics.flush()
+        if self.health is not None:
+            self.health.close(abort=on_exit or ending_on_error())
+        self.heartbeat.beat(step, phase="done", force=True)
+        self.heartbeat.close()

@@ -270,7 +270,25 @@ class Recovery(Divergence, LedgerKeeping, Stops):
         inc = self.open
         assert inc is not None
         self.engine.abandon()
-        self._quarantine(inc, culprits)
+        if culprits:
+            self.cursor.quarantine(culprits)
+            written = self._ledger_add(culprits, inc.step, inc.reason)
+            total, seen = len(self.cursor.quarantined), self.cursor.samples_seen()
+            self.decide(
+                "quarantine",
+                inc.step,
+                samples=culprits,
+                reason=inc.reason,
+                ledger=self.ledger.url,
+                persisted=written,
+                total=total,
+                samples_seen=seen,
+                fraction=total / seen,
+            )
+        inc.quarantined = culprits
+        if inc.budget == "data":
+            self._check_data_budget(inc.step)
+
         adjust = self.policy.adjust
         t0 = time.perf_counter()
         scale_factor = adjust.loss_scale_factor if scale and self.engine.has_loss_scaler else 1.0
@@ -302,41 +320,6 @@ class Recovery(Divergence, LedgerKeeping, Stops):
             ),
         )
         inc.rolled_back_to = target.step
-        self._adjust(inc, step, cut_lr, scale_factor)
-        inc.duration_s = time.time() - inc.started_at
-        self.decide("recovered", step, incident=inc.to_dict())
-        if self.comm.rank == 0:
-            self.log.warning("%s", inc.format())
-        self.open = None
-        self.heartbeat.beat(step, phase="recovered", force=True)
-        return step
-
-    def _quarantine(self, inc: Incident, culprits: list[int]) -> None:
-        """Quarantine the incident's ``culprits`` (journaled, in the ledger) and check the
-        data budget when the incident is charged to it."""
-        if culprits:
-            self.cursor.quarantine(culprits)
-            written = self._ledger_add(culprits, inc.step, inc.reason)
-            total, seen = len(self.cursor.quarantined), self.cursor.samples_seen()
-            self.decide(
-                "quarantine",
-                inc.step,
-                samples=culprits,
-                reason=inc.reason,
-                ledger=self.ledger.url,
-                persisted=written,
-                total=total,
-                samples_seen=seen,
-                fraction=total / seen,
-            )
-        inc.quarantined = culprits
-        if inc.budget == "data":
-            self._check_data_budget(inc.step)
-
-    def _adjust(self, inc: Incident, step: int, cut_lr: bool, scale_factor: float) -> None:
-        """After the rollback to ``step``: cut the LR (``cut_lr``), journaled with the loss
-        scale factor the restore applied."""
-        adjust = self.policy.adjust
         inc.lr_multiplier = self.adjuster.on_incident() if cut_lr else self.adjuster.multiplier()
         inc.loss_scale_factor = scale_factor
         self.decide(
@@ -348,6 +331,13 @@ class Recovery(Divergence, LedgerKeeping, Stops):
             rewarm_steps=adjust.rewarm_steps,
             loss_scale_factor=scale_factor,
         )
+        inc.duration_s = time.time() - inc.started_at
+        self.decide("recovered", step, incident=inc.to_dict())
+        if self.comm.rank == 0:
+            self.log.warning("%s", inc.format())
+        self.open = None
+        self.heartbeat.beat(step, phase="recovered", force=True)
+        return step
 
     def _restore(self, bad_step: int, scale_factor: float, agreed_only: bool) -> tuple[Any, bool]:
         """Restore the newest fitting snapshot whose restored state matches the digest it
