@@ -27,11 +27,7 @@ from torch.utils.data import Dataset
 from orchestrator.check import Checked
 from orchestrator.comm import Comm, note_error
 from orchestrator.context import Context
-from orchestrator.crashes import (
-    IN_BODY,
-    IN_GUARD,
-    collective_failure,
-)
+from orchestrator.crashes import IN_BODY, IN_GUARD, collective_failure
 from orchestrator.engines import Engine, engine_for
 from orchestrator.errors import RunStop
 from orchestrator.factory import Components, Hooks, Teardown, build, open_context
