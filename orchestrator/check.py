@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from orchestrator import replicas
-from orchestrator.comm import Comm
+from orchestrator.context import Context
 from orchestrator.detect import (
     GRAD_NONFINITE,
     GRAD_NORM_SQ,
@@ -26,8 +26,7 @@ from orchestrator.detect import (
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine
 from orchestrator.heartbeat import Heartbeat
-from orchestrator.journal import Decisions
-from orchestrator.policy import Policy
+from orchestrator.policy import DetectPolicy
 
 
 @dataclass
@@ -56,18 +55,17 @@ class Checked:
 class StepCheck:
     def __init__(
         self,
-        policy: Policy,
-        comm: Comm,
+        ctx: Context,
+        detect: DetectPolicy,
         engine: Engine,
         durable: DurableTier,
         heartbeat: Heartbeat,
-        decide: Decisions,
     ) -> None:
-        self.comm, self.engine, self.durable, self.heartbeat = comm, engine, durable, heartbeat
-        self.decide = decide
-        self.check_grads = policy.detect.check_grads
-        self.spikes = SpikeDetector(policy.detect.spike)
-        self.overflow = policy.detect.overflow
+        self.comm, self.engine, self.durable, self.heartbeat = ctx.comm, engine, durable, heartbeat
+        self.decide = ctx.decide
+        self.check_grads = detect.check_grads
+        self.spikes = SpikeDetector(detect.spike)
+        self.overflow = detect.overflow
         self._skips = 0  # overflow skips in a row
         self._zero_seen = False
 

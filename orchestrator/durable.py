@@ -15,13 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from orchestrator.comm import Comm
+from orchestrator.context import Context
 from orchestrator.detect import PERSIST_BUSY, PERSIST_FAILED, PERSIST_REQUEST
 from orchestrator.durable_resume import Resumable, ResumeFinder
 from orchestrator.engines import Engine
 from orchestrator.errors import PersistError
-from orchestrator.journal import Journal
-from orchestrator.policy import Policy
+from orchestrator.policy import PersistPolicy
 from orchestrator.protocol import local_tier_key
 from orchestrator.shm import ShmSlots
 from orchestrator.snapshot import Snapshot
@@ -35,18 +34,19 @@ __all__ = ["DurableTier", "Resumable"]
 class DurableTier(ResumeFinder):
     def __init__(
         self,
-        policy: Policy,
-        comm: Comm,
+        ctx: Context,
+        persist: PersistPolicy,
         engine: Engine,
-        run_dir: str,
-        journal: Journal,
         event: Callable[..., None],
+        *,
+        intervals: Intervals,
+        policy_digest: str,
         shm: ShmSlots | None = None,
-        intervals: Intervals | None = None,
     ) -> None:
-        self.policy = policy.persist
+        comm, journal, run_dir = ctx.comm, ctx.journal, ctx.run_dir
+        self.policy = persist
         # The persist interval in force (every_steps: auto changes it while training).
-        self.intervals = intervals if intervals is not None else Intervals.of(policy)
+        self.intervals = intervals
         self.shm = shm  # the ring's shared-memory slots, when snapshot.shared_memory
         self.refused: list[str] = []  # why newer snapshots were not resumed from
         self.comm = comm
@@ -60,7 +60,7 @@ class DurableTier(ResumeFinder):
             self._local_tier(run_dir) if self.policy.enabled and self.policy.local_dir else None
         )
         self.persister: Persister | None = None
-        self._extra = {"policy_digest": policy.digest(), "engine": engine.name}
+        self._extra = {"policy_digest": policy_digest, "engine": engine.name}
         if self.policy.enabled:
             self.persister = Persister(
                 self.policy,

@@ -51,8 +51,7 @@ import torch.distributed as dist
 from orchestrator.comm import Comm
 from orchestrator.health_checks import _PATTERN, HealthChecks, ieee_fp32
 from orchestrator.health_verdict import BASELINE, HealthReport, HealthVerdict
-from orchestrator.policy import Policy
-from orchestrator.policy_sections import HealthPolicy
+from orchestrator.policy_sections import DiagnosePolicy, HealthPolicy
 
 __all__ = ["BASELINE", "_PATTERN", "HealthChecker", "HealthReport", "HealthTimeout", "ieee_fp32"]
 
@@ -96,10 +95,11 @@ class HealthChecker(HealthChecks, HealthVerdict):
     together."""
 
     @classmethod
-    def for_policy(cls, policy: Policy, comm: Comm, run_dir: str) -> HealthChecker | None:
-        """A checker if the policy runs health checks anywhere (preflight, on incidents, or
-        as a diagnosis action), else None."""
-        h, d = policy.health, policy.diagnose
+    def for_policy(
+        cls, h: HealthPolicy, d: DiagnosePolicy, comm: Comm, run_dir: str
+    ) -> HealthChecker | None:
+        """A checker if the policy's ``health`` and ``diagnose`` sections run health checks
+        anywhere (preflight, on incidents, or as a diagnosis action), else None."""
         actions = d.actions.values()
         if h.preflight or h.on_incident or (d.rerun and any("health" in a for a in actions)):
             return cls(h, comm, run_dir)

@@ -17,19 +17,19 @@ inputs are agreed by a collective first.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from orchestrator.comm import Comm
+from orchestrator.context import Context
 from orchestrator.detect import SpikeBar, grad_norm
 from orchestrator.diagnose import ModuleLocator, full_precision
 from orchestrator.engines import Engine
 from orchestrator.incident import Incident
 from orchestrator.isolate import Bisection
-from orchestrator.policy import Policy
+from orchestrator.policy import AdjustPolicy, DiagnosePolicy, HealthPolicy, Policy, QuarantinePolicy
 
 
 @dataclass
@@ -47,12 +47,26 @@ class Verdict:
     confirm: bool = False
 
 
+@dataclass(frozen=True)
+class InvestigationPolicy:
+    """The policy sections an investigation reads, named as the :class:`Policy`'s:
+    ``quarantine`` (isolation), ``diagnose`` (forensics), ``health`` (whether incidents
+    already run the checks) and ``adjust`` (a cause's LR cut)."""
+
+    quarantine: QuarantinePolicy
+    diagnose: DiagnosePolicy
+    health: HealthPolicy
+    adjust: AdjustPolicy
+
+    @classmethod
+    def of(cls, p: Policy) -> InvestigationPolicy:
+        return cls(p.quarantine, p.diagnose, p.health, p.adjust)
+
+
 class Investigation:
-    def __init__(
-        self, policy: Policy, comm: Comm, engine: Engine, decide: Callable[..., None]
-    ) -> None:
-        self.policy, self.comm, self.engine = policy, comm, engine
-        self._decide = decide  # journals a collective decision: decide(kind, step, **details)
+    def __init__(self, ctx: Context, policy: InvestigationPolicy, engine: Engine) -> None:
+        self.policy, self.comm, self.engine = policy, ctx.comm, engine
+        self._decide = ctx.decide  # journals a collective decision: decide(kind, step, **details)
         self._probe: Bisection | None = None
         self._inc: Incident | None = None
         self._previous: int | None = None  # step of the incident before this one

@@ -10,20 +10,26 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from orchestrator import replicas
 from orchestrator.adjust import LRAdjuster
-from orchestrator.comm import Comm
+from orchestrator.context import Context
 from orchestrator.cursor import DataCursor
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine
 from orchestrator.errors import PersistError
 from orchestrator.heartbeat import Heartbeat
-from orchestrator.journal import Decisions
-from orchestrator.policy import Policy
+from orchestrator.policy import (
+    DetectPolicy,
+    PersistPolicy,
+    Policy,
+    SnapshotPolicy,
+    SupervisorPolicy,
+)
 from orchestrator.shm import ShmSlots
 from orchestrator.snapshot import Snapshot, SnapshotRing
 from orchestrator.stateful import USER_KEY, UserState, tensors_in
@@ -31,11 +37,27 @@ from orchestrator.stateful import USER_KEY, UserState, tensors_in
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class KeeperPolicy:
+    """The policy sections the keeper reads, named as the :class:`Policy`'s: ``snapshot``
+    (sealing), ``detect`` (replica digests), ``persist`` and ``supervisor`` (how long a
+    final write may take)."""
+
+    snapshot: SnapshotPolicy
+    detect: DetectPolicy
+    persist: PersistPolicy
+    supervisor: SupervisorPolicy
+
+    @classmethod
+    def of(cls, p: Policy) -> KeeperPolicy:
+        return cls(p.snapshot, p.detect, p.persist, p.supervisor)
+
+
 class StateKeeper:
     def __init__(
         self,
-        policy: Policy,
-        comm: Comm,
+        ctx: Context,
+        policy: KeeperPolicy,
         engine: Engine,
         ring: SnapshotRing,
         durable: DurableTier,
@@ -43,11 +65,11 @@ class StateKeeper:
         cursor: DataCursor,
         adjuster: LRAdjuster,
         heartbeat: Heartbeat,
-        decide: Decisions,
         shm: ShmSlots | None = None,
         user: UserState | None = None,
     ) -> None:
-        self.policy, self.comm, self.engine, self.ring = policy, comm, engine, ring
+        self.policy, self.comm, self.engine, self.ring = policy, ctx.comm, engine, ring
+        decide = ctx.decide
         self.user = user if user is not None else UserState()
         self.durable, self.cursor, self.adjuster = durable, cursor, adjuster
         self.heartbeat, self.decide, self.shm = heartbeat, decide, shm

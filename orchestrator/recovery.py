@@ -12,9 +12,7 @@ Every decision is identical on every rank: its inputs are agreed by a collective
 from __future__ import annotations
 
 import logging
-import socket
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,35 +20,44 @@ import torch
 from orchestrator import replicas
 from orchestrator.adjust import LRAdjuster
 from orchestrator.check import Checked
-from orchestrator.comm import Comm
-from orchestrator.crashes import Suspicion
+from orchestrator.context import Context
 from orchestrator.cursor import DataCursor
 from orchestrator.detect import SpikeBar, grad_norm
+from orchestrator.divergence import Divergence
 from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine
-from orchestrator.errors import GaveUp, Unhealthy
 from orchestrator.health import HealthChecker
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.incident import Incident
 from orchestrator.investigate import Investigation, Verdict
-from orchestrator.journal import Decisions, Journal
+from orchestrator.ledgerkeep import LedgerKeeping
 from orchestrator.logs import RankLogger
 from orchestrator.metrics import Metrics
-from orchestrator.policy import Policy
-from orchestrator.protocol import EVENT_GAVE_UP, EVENT_UNHEALTHY
 from orchestrator.quarantine import Ledger
-from orchestrator.retry import storage_retry
+from orchestrator.recovery_policy import RecoveryPolicy
 from orchestrator.snapshot import SnapshotRing
 from orchestrator.stateful import UserState
+from orchestrator.stops import Stops
 
 logger = logging.getLogger(__name__)
 
 
-class Recovery:
+class Recovery(Divergence, LedgerKeeping, Stops):
+    """One rank's incident handling (see the module's docstring); every method is
+    collective unless it says otherwise.
+
+    Args:
+        ctx: the shared context.
+        policy: the sections it reads (:meth:`RecoveryPolicy.of` a policy).
+        engine: the training engine.
+        ring, cursor, adjuster, ledger, durable, metrics, heartbeat, health, user: the
+            components it rolls back, quarantines with, adjusts and stops through.
+    """
+
     def __init__(
         self,
-        policy: Policy,
-        comm: Comm,
+        ctx: Context,
+        policy: RecoveryPolicy,
         engine: Engine,
         *,
         ring: SnapshotRing,
@@ -61,9 +68,9 @@ class Recovery:
         metrics: Metrics,
         heartbeat: Heartbeat,
         health: HealthChecker | None,
-        journal: Journal,
         user: UserState | None = None,
     ) -> None:
+        comm, journal = ctx.comm, ctx.journal
         self.policy, self.comm, self.engine = policy, comm, engine
         self.user = user if user is not None else UserState()
         self.ring, self.cursor, self.adjuster, self.ledger = ring, cursor, adjuster, ledger
@@ -75,7 +82,7 @@ class Recovery:
         )
         self.journal = journal
         self.log = RankLogger(logger, comm.global_rank)
-        self.decide = Decisions(journal, comm.rank == 0)
+        self.decide = ctx.decide
         self.incidents: list[Incident] = []
         self.rollbacks = 0
         self.open: Incident | None = None  # opened, not yet recovered
@@ -142,76 +149,6 @@ class Recovery:
         if odd:
             self._name_culprits(inc.step, odd, "majority")
         return self.recover([], cut_lr=False, scale=False, agreed_only=True)
-
-    def quarantine_crashed(self, found: Suspicion) -> None:
-        """At start: the previous attempt died on these samples (a probe of one, or the
-        batch they make together after each passed alone; orchestrator/crashes.py). They
-        are quarantined like a NaN's culprits (the Guard already skips them) and count
-        against the data budget from now on."""
-        self.decide(
-            "incident", found.step, reason="crash", cause="data", why=found.why,
-            budget="data", origin_ranks=found.ranks, samples=found.culprits, micro=found.micro,
-        )  # fmt: skip
-        written = self._ledger_add(found.culprits, found.step, "crash")
-        self.decide(
-            "quarantine", found.step, samples=found.culprits, reason="crash",
-            ledger=self.ledger.url, persisted=written,
-        )  # fmt: skip
-        if self.comm.rank == 0:
-            self.log.warning(
-                "the last attempt died on sample(s) %s at step %d (%s): quarantined",
-                found.culprits, found.step, found.why,
-            )  # fmt: skip
-
-    def replicas_agreed(self, step: int, value: int) -> None:
-        """The replicas agreed on ``value`` at ``step``: if a tied divergence was waiting for
-        the replay to reach that step, the ranks whose digest was not ``value`` held what
-        no exact replay reproduces: they are named."""
-        tie = self.culprits.pending.pop(step, None)
-        if tie is None:
-            return
-        ranks = [r for r, d in enumerate(tie.digests) if d != value]
-        by, distances = "replay", None  # distances: only when no rank held it exactly
-        if len(ranks) == self.comm.world_size:  # no rank held the replayed state exactly
-            here = replicas.sketch(self.engine.digest_tensors()[0])
-            mine = float(torch.linalg.vector_norm(tie.sketch - here))
-            distances = self.comm.all_gather_object(mine)
-            assert distances is not None
-            ranks, by = replicas.farthest(distances), "distance"
-            if not ranks:
-                self.decide("divergence_unresolved", step, digest=value, distances=distances)
-                return
-        self._name_culprits(step, ranks, by, distances)
-
-    def _name_culprits(
-        self, step: int, ranks: list[int], by: str, distances: list[float] | None = None
-    ) -> None:
-        """Journal the odd rank(s) out with their hosts; a rank named ``sick_after`` times
-        is sick: stop with exit code 72 so the node can be excluded."""
-        hosts = self._hosts()
-        named = {str(r): hosts[r] for r in ranks}
-        extra = {"distances": distances} if distances is not None else {}
-        self.decide("divergence_culprit", step, ranks=ranks, hosts=named, by=by, **extra)
-        sick = self.culprits.name(step, ranks)
-        if not sick:
-            return
-        where = {str(r): hosts[r] for r in sick}
-        self.decide(
-            EVENT_UNHEALTHY, step, reason="divergence", ranks=sick,
-            hosts=sorted(set(where.values())), failed={r: ["replica_digest"] for r in where},
-        )  # fmt: skip
-        if self.comm.rank == 0:
-            self.log.error(
-                "UNHEALTHY: rank(s) %s (%s) held state the other replicas did not, %d times "
-                "within %d steps (detect.replicas.sick_after). Exclude these nodes and restart.",
-                sick, where, self.culprits.sick_after, self.culprits.window_steps,
-            )  # fmt: skip
-        raise Unhealthy(f"replica divergence: ranks {sick} on {sorted(set(where.values()))}")
-
-    def _hosts(self) -> list[str]:
-        if self._host_names is None:
-            self._host_names = self.comm.all_gather_object(socket.gethostname())
-        return self._host_names
 
     def open_incident(
         self,
@@ -428,132 +365,3 @@ class Recovery:
                 return target, age_met
             self.decide("restore_mismatch", inc.step, snapshot_step=target.step)
             self.ring.discard(target)
-
-    def _ledger_add(self, ids: list[int], step: int, reason: str) -> bool:
-        """Rank 0 appends to the ledger, retrying; a storage failure is journaled, never
-        fatal: the quarantine holds in memory for this run either way, and the entries not
-        written are tried again with the next ones and at close (:meth:`flush_ledger`)."""
-        if self.comm.rank != 0:
-            return True
-        self._unwritten.append((ids, step, reason))
-        return self.flush_ledger(later=False)
-
-    def hold(self, entries: list[tuple[list[int], int, str]]) -> None:
-        """Entries an earlier process could not write (rank 0): write them now, or keep
-        trying with the next ones and at close."""
-        if self.comm.rank == 0 and entries:
-            self._unwritten.extend(entries)
-            self.flush_ledger()
-
-    def flush_ledger(self, later: bool = True) -> bool:
-        """Write the ledger entries a storage failure held back (rank 0); True if none is
-        left. Entries written ``later`` than their quarantine event are journaled
-        (``ledger_written``), so the journal says what the ledger holds."""
-        while self._unwritten:
-            ids, step, reason = self._unwritten[0]
-            late = later or len(self._unwritten) > 1  # not the entry just added
-            try:
-                storage_retry(self.policy.persist)(self.ledger.add, ids, step, reason)
-            except Exception as err:  # an unreachable store raises botocore's own classes
-                self.journal.write("ledger_failed", step, {"samples": ids, "error": repr(err)})
-                self.log.error("quarantine ledger %s not written: %r", self.ledger.url, err)
-                return False
-            self._unwritten.pop(0)
-            if late:
-                self.journal.write("ledger_written", step, {"samples": ids})
-        return True
-
-    def check_health(
-        self, reason: str, step: int, before_stop: Callable[[], None] | None = None
-    ) -> None:
-        """Run the health checks (every rank); on a failure journal the ranks and hosts
-        (after ``before_stop``) and stop with exit code 72, so the supervisor or scheduler
-        can exclude the node.
-
-        Raises:
-            Unhealthy: a check failed on some rank (or timed out).
-        """
-        assert self.health is not None
-        report = self.health.run(reason)
-        # A collective that failed leaves each rank its own view: each journals it (rank 0
-        # may be the one that never came).
-        partial = len(report.ranks) < self.comm.world_size
-        decide = Decisions(self.journal, writer=True) if partial else self.decide
-        decide("health", step, **report.to_dict())
-        if report.healthy:
-            return
-        if before_stop is not None:
-            before_stop()
-        named = report.bad_hosts()
-        decide(
-            EVENT_UNHEALTHY,
-            step,
-            reason=reason,
-            ranks=sorted(report.bad),
-            hosts=sorted(set(named.values())),
-            failed={str(r): checks for r, checks in sorted(report.bad.items())},
-        )
-        # Every rank has the same report unless a collective timed out; then each stops on
-        # what it saw, and the journal of whichever rank 0 is left says the rest.
-        if self.comm.rank == 0 or report.ranks[0]["rank"] != 0:
-            self.log.error(
-                "UNHEALTHY (%s): %s. Exclude these nodes and restart.",
-                reason,
-                "; ".join(f"rank {r} on {h}: {report.bad[r]}" for r, h in named.items()),
-            )
-        raise Unhealthy(
-            f"health check failed ({reason}): ranks {sorted(report.bad)} on "
-            f"{sorted(set(named.values()))}"
-        )
-
-    def _escalate_if_over_budget(self) -> None:
-        """The incident budget: unexplained incidents per window."""
-        e = self.policy.escalation
-        step = self.incidents[-1].step
-        recent = [
-            i for i in self.incidents if i.budget == "incidents" and i.step > step - e.window_steps
-        ]
-        if len(recent) > e.max_incidents:
-            self._give_up(
-                step,
-                f"{len(recent)} unexplained incidents within {e.window_steps} steps (steps "
-                f"{[i.step for i in recent]}), over escalation.max_incidents={e.max_incidents}",
-                budget="incidents",
-            )
-
-    def _check_data_budget(self, step: int) -> None:
-        """The data budget: quarantined samples against the distinct samples seen."""
-        q = self.policy.quarantine
-        total, seen = len(self.cursor.quarantined), self.cursor.samples_seen()
-        if total <= max(q.max_fraction * seen, q.budget_min_samples):
-            return
-        self._give_up(
-            step,
-            f"{total} samples quarantined, {total / seen:.2%} of the {seen} distinct samples "
-            f"seen, over quarantine.max_fraction={q.max_fraction:g} (budget_min_samples="
-            f"{q.budget_min_samples}). The ledger {self.ledger.url} lists them: inspect the "
-            "data (or the model on it); if this much bad data is expected, raise "
-            "quarantine.max_fraction",
-            budget="data",
-            fraction=total / seen,
-            samples_seen=seen,
-            ledger=self.ledger.url,
-        )
-
-    def _give_up(self, step: int, why: str, **evidence: Any) -> None:
-        self.decide(
-            EVENT_GAVE_UP,
-            step,
-            **evidence,
-            why=why,
-            incidents=[i.to_dict() for i in self.incidents],
-            quarantined=sorted(self.cursor.quarantined),
-            rollbacks=self.rollbacks,
-        )
-        if self.comm.rank == 0:
-            self.log.error(
-                "GAVE UP: %s. Journal: %s (gave_up and the incidents before it).",
-                why,
-                self.journal.path,
-            )
-        raise GaveUp(f"gave up at step {step}: {why}")

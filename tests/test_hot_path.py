@@ -23,7 +23,13 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
 # "fault", "faults", "FaultInjector"... but not "default".
 FAULT = re.compile(r"(?<!de)fault", re.IGNORECASE)
-HOT_MODULES = ("orchestrator/guard.py", "orchestrator/check.py", "orchestrator/keeper.py")
+HOT_MODULES = (
+    "orchestrator/guard.py",
+    "orchestrator/stepping.py",
+    "orchestrator/autotune.py",
+    "orchestrator/check.py",
+    "orchestrator/keeper.py",
+)
 # The engine methods a healthy step runs (the template and the hooks behind it).
 STEP_METHODS = ("backward", "_backward", "accumulate", "judge", "commit", "_apply", "grads")
 

@@ -436,7 +436,7 @@ def test_the_nodes_agree_on_one_attempt_from_any_counts(seed: int) -> None:
 AGREE = """
 import os, torch.distributed as dist
 from orchestrator.comm import Comm
-from orchestrator.lifecycle import agree_attempt
+from orchestrator.startup import agree_attempt
 dist.init_process_group("gloo")
 os.environ["ORCHESTRATOR_ATTEMPT"] = os.environ["RANK"] if os.environ["SPLIT"] == "1" else "5"
 try:
