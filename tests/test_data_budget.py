@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from regression_worker import poison_ids
 
-from conftest import REPO, assert_bitwise_equal, final_states, journal, kinds, prequarantined, train
+from conftest import REPO, assert_bitwise_equal, final_states, kinds, prequarantined, train
 from launch import report
 
 pytestmark = pytest.mark.timeout(400)
@@ -80,29 +80,6 @@ def test_bad_samples_are_quarantined_and_the_run_finishes(
         assert_bitwise_equal(a, b, f"{engine} final")
 
 
-def test_a_diverging_model_spends_the_incident_budget(tmp_path: Path) -> None:
-    """Clean data, an LR far too high: every sample fails, nothing is quarantined, and the
-    run gives up on the unexplained-incident budget (escalation.max_incidents=3)."""
-    d = tmp_path / "run"
-    run(d, "--optimizer", "sgd", "--lr", "50", "--steps", "100", ok=False)
-    gave_up = only(d, "gave_up")
-    assert gave_up["budget"] == "incidents"
-    incidents = kinds(d, "incident")
-    assert len(incidents) == len(gave_up["incidents"]) == 3 + 1  # the one over the budget
-    assert {e["details"]["cause"] for e in incidents} == {"unexplained"}
-    assert not kinds(d, "quarantine") and not (d / "quarantine.jsonl").exists()
-
-
-def test_too_much_bad_data_spends_the_data_budget(tmp_path: Path) -> None:
-    """5% of the samples are bad, over quarantine.max_fraction=1%: the run stops, naming the
-    fraction and the ledger, and everything it quarantined is in the ledger."""
-    d = tmp_path / "run"
-    run(d, "--poison", str(4096 // 20), "--steps", "200", ok=False)
-    gave_up = only(d, "gave_up")
-    assert gave_up["budget"] == "data" and gave_up["ledger"] == str(d / "quarantine.jsonl")
-    assert gave_up["fraction"] > 0.01
-    quarantined = ledger(d)
-    assert quarantined == sorted(gave_up["quarantined"])
-    assert set(quarantined) <= set(poison_ids(4096, 4096 // 20))
-    assert gave_up["fraction"] == pytest.approx(len(quarantined) / gave_up["samples_seen"])
-    assert journal(d)[-1]["kind"] == "run_end"
+# The two budget tests (a diverging model spends the incident budget, too much bad data
+# the data budget) run as threads in tests/test_fast_decisions.py: the same worker loop and
+# assertions, no torchrun.

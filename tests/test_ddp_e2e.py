@@ -86,61 +86,25 @@ def test_poison_sample_quarantined_bit_for_bit(tmp_path: Path) -> None:
         assert_bitwise_equal(a, b, "final")
 
 
-def test_default_adjustment_cuts_and_ramps_back(tmp_path: Path) -> None:
-    """An unexplained incident (a NaN gradient that does not reproduce) cuts the LR, holds it
-    and ramps it back; a poisoned sample (explained by data) keeps it."""
-    policy = {
-        "adjust": {"hold_steps": 5, "rewarm_steps": 10},
-        "faults": [
-            {"kind": "nan_grad", "step": 25, "rank": 1},
-            {"kind": "poison_sample", "sample": poison_id(55)},
-        ],
-    }
-    d = tmp_path / "run"
-    r = train(d, 2, *STEPS, policy=policy, save=False)
-    assert r.returncode == 0, r.stdout[-3000:]
-    causes = [
-        (e["step"], e["details"]["cause"], e["details"]["budget"]) for e in kinds(d, "incident")
-    ]
-    assert causes == [(25, "unexplained", "incidents"), (55, "data", "data")]
-    adjust = [
-        (e["step"], e["details"]["phase"], e["details"]["lr_multiplier"])
-        for e in kinds(d, "adjust")
-    ]
-    rb, rb_data = kinds(d, "rollback")
-    to, to_data = rb["details"]["to_step"], rb_data["details"]["to_step"]
-    assert adjust == [
-        (to, "cut", 0.5),
-        (to + 5, "rewarm_start", 0.5),
-        (to + 15, "restored", 1.0),
-        (to_data, "kept", 1.0),
-    ]
+# The default adjustment (cut, hold, ramp back; kept for data) runs as threads in
+# tests/test_fast_decisions.py, and so does the 2-rank half of the recurring poison below.
 
 
 def test_recurring_poison_gives_up_with_exit_code(tmp_path: Path) -> None:
-    bad = poison_id(12)
+    """The worker's own exit code (torchrun reports its own): one process; the gave_up
+    event of 2 ranks is tests/test_fast_decisions.py's."""
     policy = {
         "quarantine": {"enabled": False},
         "escalation": {"max_incidents": 2, "window_steps": 100},
-        "faults": [{"kind": "poison_sample", "sample": bad}],
+        "faults": [{"kind": "poison_sample", "sample": poison_id(12, 1)}],
     }
-    d = tmp_path / "ddp"
-    r = train(d, 2, *STEPS, policy=policy, save=False)
-    assert r.returncode != 0
-    (gave_up,) = kinds(d, "gave_up")
-    assert len(gave_up["details"]["incidents"]) == 3
-    assert len(kinds(d, "incident")) == 3 and len(kinds(d, "rollback")) == 2
-    # The worker's own exit code (torchrun reports its own): one process, same policy.
     d1 = tmp_path / "single"
-    r = train(
-        d1,
-        1,
-        *STEPS,
-        policy={**policy, "faults": [{"kind": "poison_sample", "sample": poison_id(12, 1)}]},
-        save=False,
-    )
+    r = train(d1, 1, *STEPS, policy=policy, save=False)
     assert r.returncode == EXIT_GAVE_UP, r.stdout[-3000:]
-    assert kinds(d1, "gave_up") and kinds(d1, "run_end")
+    (gave_up,) = kinds(d1, "gave_up")
+    assert len(gave_up["details"]["incidents"]) == 3
+    assert len(kinds(d1, "incident")) == 3 and len(kinds(d1, "rollback")) == 2
+    assert kinds(d1, "run_end")
 
 
 def test_example_demo_prints_account(tmp_path: Path) -> None:
