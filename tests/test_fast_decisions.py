@@ -231,3 +231,53 @@ def test_recurring_poison_gives_up_on_every_rank(tmp_path: Path) -> None:
     assert len(gave_up["details"]["incidents"]) == 3
     assert len(kinds(d, "incident")) == 3 and len(kinds(d, "rollback")) == 2
     assert kinds(d, "run_end")
+
+
+def test_a_nan_module_is_located_on_every_rank(tmp_path: Path) -> None:
+    """A deterministic NaN from one module (the middle Linear): the re-run reproduces it and
+    forensics locate it to that module, forward, on each rank (tests/test_diagnose.py ran it
+    on the example GPT's blocks.2.attn under torchrun)."""
+    d = tmp_path / "run"
+    policy = {
+        "diagnose": {"rerun": True},
+        "quarantine": {"enabled": False},
+        "faults": [{"kind": "nan_module", "module": "2", "step": 25}],
+    }
+    got = train_regression(d, policy, samples=1024, steps=40)
+    assert all(r.stop is None for r in got)
+    (diag,) = kinds(d, "diagnosis")
+    assert diag["details"]["incident_step"] == 25
+    assert diag["details"]["classification"] == "deterministic"
+    assert diag["details"]["located"] == [
+        {"module": "2", "direction": "forward", "rank": 0},
+        {"module": "2", "direction": "forward", "rank": 1},
+    ]
+    assert len(diag["details"]["batch_ids"]) == 2  # each rank's samples of the bad step
+    (rec,) = kinds(d, "recovered")
+    assert rec["details"]["incident"]["origin_module"] == "2"
+    assert kinds(d, "run_end")[-1]["details"]["steps"] == 40
+    same_everywhere(got)
+
+
+def test_a_one_shot_nan_grad_is_transient(tmp_path: Path) -> None:
+    """A NaN gradient on rank 1 that the re-run does not reproduce: transient, nothing
+    quarantined, the LR kept, one health check (tests/test_diagnose.py ran it on the example
+    GPT under torchrun)."""
+    d = tmp_path / "run"
+    policy = {
+        "diagnose": {"rerun": True},
+        "faults": [{"kind": "nan_grad", "step": 25, "rank": 1}],
+    }
+    got = train_regression(d, policy, samples=1024, steps=40)
+    assert all(r.stop is None for r in got)
+    (diag,) = kinds(d, "diagnosis")
+    assert diag["details"]["classification"] == "transient"
+    assert diag["details"]["located"] == [] and diag["details"]["origin_ranks"] == [1]
+    assert kinds(d, "quarantine") == []
+    (rb,) = kinds(d, "rollback")
+    assert rb["details"]["from_step"] == 25 and rb["details"]["to_step"] == 20
+    (adj,) = [e for e in kinds(d, "adjust") if e["details"]["phase"] in ("cut", "kept")]
+    assert adj["details"]["phase"] == "kept"  # a one-off says nothing about the LR
+    assert [e["details"]["reason"] for e in kinds(d, "health")] == ["incident at step 25"]
+    assert kinds(d, "run_end")[-1]["details"]["steps"] == 40
+    same_everywhere(got)
