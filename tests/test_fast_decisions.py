@@ -139,7 +139,7 @@ def test_an_lr_blowup_is_a_spike_that_cuts_the_lr_and_quarantines_nothing(
 ) -> None:
     """A finite divergence (detect.spike, on by default): the LR made 10x too high for 10
     steps is a spike_loss incident on every rank, explained by nothing, that cuts the LR
-    (tests/test_spikes.py ran it on the example GPT under torchrun)."""
+    (formerly tests/test_spikes.py, on the example GPT under torchrun)."""
     d = tmp_path / "run"
     # 100x: this model shrugs off 10x (only rank 0 gets it: a replica divergence at step 50).
     fault = {"kind": "lr_blowup", "step": 40, "factor": 100.0, "steps": 10}
@@ -280,4 +280,26 @@ def test_a_one_shot_nan_grad_is_transient(tmp_path: Path) -> None:
     assert adj["details"]["phase"] == "kept"  # a one-off says nothing about the LR
     assert [e["details"]["reason"] for e in kinds(d, "health")] == ["incident at step 25"]
     assert kinds(d, "run_end")[-1]["details"]["steps"] == 40
+    same_everywhere(got)
+
+
+def test_outlier_samples_are_quarantined_and_nothing_else(tmp_path: Path) -> None:
+    """Finite divergence caught by default (detect.spike): 8 finite outliers in 2048
+    samples, each met on rank 1 at steps 25, 35, ... (after the detector's min_history), a
+    loss far above the others' (1000 per sample over a batch of 8: this regression's loss
+    is of order 1). A spike is re-run like a NaN: an outlier that reproduces it alone is
+    quarantined, nothing innocent is (formerly tests/test_spikes.py, on the example GPT under
+    torchrun, with 10 against a cross-entropy of about 4)."""
+    bad = [poison_id(step, 2048) for step in range(25, 105, 10)]
+    d = tmp_path / "run"
+    faults = [{"kind": "outlier_sample", "sample": i, "extra": 1000.0} for i in bad]
+    got = train_regression(d, {"faults": faults}, samples=2048, steps=128)
+    assert all(r.stop is None for r in got)
+    quarantined = ledger(d)
+    assert quarantined and set(quarantined) <= set(bad), quarantined
+    assert len(quarantined) >= 6, quarantined  # nearly every outlier is caught, none innocent
+    for e in kinds(d, "incident"):
+        assert e["details"]["reason"] == "spike_loss" and e["details"]["cause"] == "data", e
+    assert not kinds(d, "gave_up")
+    assert kinds(d, "run_end")[-1]["details"]["status"] == "finished"
     same_everywhere(got)
