@@ -29,6 +29,7 @@ import copy
 import itertools
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from orchestrator.errors import RunStop
 
 T = TypeVar("T")
 _RUNS = itertools.count()
+_PROCESS_WORLD: list[Any] = [None]  # torch.distributed's own world, while a run replaces it
 _LOCK = threading.Lock()  # one harness run at a time: the thread-local world is process-wide
 
 
@@ -98,6 +100,10 @@ def run_ranks(fn: Callable[[int, int], T], world_size: int = 2, timeout_s: float
     """
     with _LOCK:
         old_world = dist.distributed_c10d._world
+        if isinstance(old_world, ThreadLocalWorld):  # left by a run whose rank got stuck
+            old_world = _PROCESS_WORLD[0]
+        else:
+            _PROCESS_WORLD[0] = old_world
         dist.distributed_c10d._world = ThreadLocalWorld()  # type: ignore[assignment]
         # c10d's registry of groups by name is process-wide; each thread names its groups
         # "0", "1", ... as a process would: make the registry per thread, as torch's
@@ -120,11 +126,16 @@ def run_ranks(fn: Callable[[int, int], T], world_size: int = 2, timeout_s: float
         try:
             for t in threads:
                 t.start()
+            deadline = time.monotonic() + timeout_s
             for t in threads:
-                t.join(timeout_s)
+                t.join(max(0.0, deadline - time.monotonic()))
         finally:
-            torch._C._distributed_c10d._set_thread_isolation_mode(False)
-            dist.distributed_c10d._world = old_world
+            if not any(t.is_alive() for t in threads):
+                # A stuck rank keeps the thread-local world (its group is torn down when
+                # the group's timeout ends its collective): restoring the process's world
+                # under it would let it destroy the main thread's default group.
+                torch._C._distributed_c10d._set_thread_isolation_mode(False)
+                dist.distributed_c10d._world = old_world
             # Process-wide state a rank's Guard set for its process: a rank that gave up
             # flags the process as ending on an error, and each Guard keeps its gloo backend
             # for the exit fence. These threads are done with both (their groups destroyed);
@@ -139,7 +150,8 @@ def run_ranks(fn: Callable[[int, int], T], world_size: int = 2, timeout_s: float
             for r, e in sorted(errors.items())
         )
         raise RankFailed(
-            f"{len(stuck)} rank(s) still running after {timeout_s}s:\n{_stacks(stuck)}{failed}"
+            f"{len(stuck)} rank(s) still running after {timeout_s}s (torch.distributed's "
+            f"thread-local world stays until the next run):\n{_stacks(stuck)}{failed}"
         )
     if errors:
         first = next(iter(errors))  # the first to fail: the cause, the others its echo

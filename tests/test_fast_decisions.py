@@ -8,6 +8,8 @@ crashes, the supervisor) stay with the torchrun tests."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,20 @@ def test_the_harness_runs_ranks_on_their_own_groups_and_reraises_a_rank_s_error(
     with pytest.raises(AssertionError, match="rank 1 failed") as err:
         run_ranks(fails_on_1, 2, timeout_s=30)
     assert "rank 1's own error" in str(err.value) and "fails_on_1" in str(err.value)
+
+    gone = threading.Event()
+
+    def rank_1_never_comes(rank: int, world: int) -> None:
+        if rank == 0:
+            torch.distributed.all_reduce(torch.ones(1))  # ends with the group's timeout
+        else:
+            gone.wait(30)  # a rank stuck elsewhere: the harness times out instead of hanging
+
+    t0 = time.monotonic()
+    with pytest.raises(AssertionError, match="still running after 2"):
+        run_ranks(rank_1_never_comes, 2, timeout_s=2)
+    gone.set()
+    assert time.monotonic() - t0 < 15
 
 
 def test_a_nan_on_one_rank_rolls_back_every_rank_identically(tmp_path: Path) -> None:
