@@ -9,10 +9,15 @@ thread is one rank: torch.distributed's world is made thread-local (torch's own
 the default group and every ``dist.new_group`` are that rank's own, over real gloo
 (loopback TCP). A run costs milliseconds to start instead of a torchrun's seconds.
 
+c10d's registry of groups by name is made per thread too (torch's thread isolation mode).
+
 What the threads share, unlike processes: torch's global RNG (seed your models before
-:func:`run_ranks`, or give them their own ``torch.Generator``; keep dropout out), the
-environment, signal handlers (the Guard installs none off the main thread) and module
-globals (:func:`run_ranks` resets the one that matters, ``comm``'s error flag).
+:func:`run_ranks`, or give them their own ``torch.Generator``; keep dropout out: a replay
+that draws random numbers is not bit for bit here), the environment, signal handlers (the
+Guard installs none off the main thread: preemption stays with the torchrun tests, as do
+crashes, the supervisor and bit-for-bit across processes) and module globals
+(:func:`run_ranks` resets ``comm``'s error flag and drops the gloo backends its Guards kept
+for the exit fence).
 
 Usage::
 
