@@ -64,7 +64,11 @@ def digest(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
     sums = [w.sum(dtype=torch.int32) for t in tensors for w in _words(t)]
     if not sums:
         return None
-    stacked = torch.stack(sums).to(torch.int64)
+    # On a GPU some state lives on the host: torch's Adam/AdamW (neither fused nor
+    # capturable) keeps each parameter's ``step`` as a CPU tensor. Their sums join the
+    # device's (a 0-d copy each, at snapshot steps only); an H200 run crashed here.
+    device = next((x.device for x in sums if x.device.type != "cpu"), sums[0].device)
+    stacked = torch.stack([x.to(device, non_blocking=True) for x in sums]).to(torch.int64)
     weights = torch.arange(1, 2 * len(sums), 2, dtype=torch.int64, device=stacked.device)
     return (stacked * weights).sum() & _MASK
 

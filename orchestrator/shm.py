@@ -42,6 +42,7 @@ from orchestrator.pinned import unregister
 from orchestrator.shm_files import SlotFiles, _unlink
 from orchestrator.shm_index import agreeable, node_refusal, verdicts
 from orchestrator.shm_verdict import CHUNK, SlotVerdicts, _Cancelled, _crcs
+from orchestrator.snapshot_copy import slot_bytes
 
 # CHUNK, _Cancelled and _crcs: imported from here by tests/test_units.py.
 __all__ = ["CHUNK", "ShmSlots", "_Cancelled", "_crcs", "agreeable", "node_refusal", "verdicts"]
@@ -138,8 +139,12 @@ class ShmSlots(SlotFiles, SlotVerdicts):
         alike_leaves = [t for t, n in zip(leaves, in_node, strict=True) if n]
         # The room goes where the bulk of the state lives: the node part when every rank
         # holds it alike (the same size on all of them), else this rank's own file.
-        node_room = self.reserve_bytes if self.reserve_alike else 0
-        own_room = 0 if shared and self.reserve_alike else self.reserve_bytes
+        # The estimate leaves out alignment, Adam's ``step`` tensors, the RNG and the Guard's
+        # values: room sized as a private slot's arena (on an H200 the bare estimate was
+        # short, and the first use of each slot still made a file).
+        room = slot_bytes(self.reserve_bytes) if self.reserve_bytes else 0
+        node_room = room if self.reserve_alike else 0
+        own_room = 0 if shared and self.reserve_alike else room
         # The ring lets this slot's bytes be written again: a file with room is laid out anew.
         writable = bool(reuse)
         if not own_fits:

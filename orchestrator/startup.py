@@ -156,9 +156,8 @@ def check_memory(
         PolicyError: with what the ring needs and what to change.
     """
     local_ranks = local_world_size()
-    per_rank = engine.estimate_state_bytes()
-    if shm_root is None:
-        per_rank = slot_bytes(per_rank)  # the size of each private slot's arena, exactly
+    # The size of each slot, exactly: a private arena, or a shared-memory slot's file.
+    per_rank = slot_bytes(engine.estimate_state_bytes())
     # In shared memory, state every rank holds alike is kept once per node.
     copies = 1 if shm_root is not None and engine.state_replicated else local_ranks
     need = per_rank * snap.keep * copies

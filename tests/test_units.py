@@ -586,7 +586,8 @@ def test_every_slot_file_is_made_at_the_first_capture_with_room_to_grow(tmp_path
     assert [os.path.basename(f).startswith("spare-") for f in files] == [False, True, True]
     assert shm.candidates() == ({}, ["slot 0: not sealed (no readable verdict)"])
     files = [f.replace("/spare-", "/") for f in files]
-    moments = {"w": w, "m": torch.randn(4096), "v": torch.rand(4096)}  # after the first step
+    # After the first step: AdamW's moments, and its step count, which no estimate counts.
+    moments = {"w": w, "m": torch.randn(4096), "v": torch.rand(4096), "step": torch.tensor(1.0)}
     for step in (5, 10, 15):  # slots 1 and 2 first used, then slot 0 grown in place
         snap = ring.capture(step, moments)
         assert snap is not None
