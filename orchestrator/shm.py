@@ -137,14 +137,7 @@ class ShmSlots(SlotFiles, SlotVerdicts):
         first = all(m is None for m in (*self._maps, *self._node_maps))
         own_leaves = [t for t, n in zip(leaves, in_node, strict=True) if not n]
         alike_leaves = [t for t, n in zip(leaves, in_node, strict=True) if n]
-        # The room goes where the bulk of the state lives: the node part when every rank
-        # holds it alike (the same size on all of them), else this rank's own file.
-        # The estimate leaves out alignment, Adam's ``step`` tensors, the RNG and the Guard's
-        # values: room sized as a private slot's arena (on an H200 the bare estimate was
-        # short, and the first use of each slot still made a file).
-        room = slot_bytes(self.reserve_bytes) if self.reserve_bytes else 0
-        node_room = room if self.reserve_alike else 0
-        own_room = 0 if shared and self.reserve_alike else room
+        own_room, node_room = self._rooms(shared)
         # The ring lets this slot's bytes be written again: a file with room is laid out anew.
         writable = bool(reuse)
         if not own_fits:
@@ -208,6 +201,16 @@ class ShmSlots(SlotFiles, SlotVerdicts):
             size = t.numel() * t.element_size()
             out.append(mapped[off : off + size].view(t.dtype).view(t.shape))
         return out
+
+    def _rooms(self, shared: bool) -> tuple[int, int]:
+        """The least size of this rank's file and of the node file of a slot. The room goes
+        where the bulk of the state lives: the node part when every rank holds it alike
+        (the same size on all of them), else this rank's own file. The estimate leaves out
+        alignment, Adam's ``step`` tensors, the RNG and the Guard's values: room sized as a
+        private slot's arena (on an H200 the bare estimate was short, and the first use of
+        each slot still made a file)."""
+        room = slot_bytes(self.reserve_bytes) if self.reserve_bytes else 0
+        return (0 if shared and self.reserve_alike else room), (room if self.reserve_alike else 0)
 
     def _cut(
         self, tensors: list[torch.Tensor], offsets: list[int]

@@ -124,7 +124,13 @@ def corrupt_slot(shm: ShmSlots, snap: Snapshot | None) -> None:
     if node is not None and share:
         mapped, (at, n) = node, max(share, key=lambda s: s[1])
     elif mapped is not None:
-        n = mapped.numel()
+        # The middle of its largest tensor: the file has room beyond the tensors (made at
+        # the first capture for a state that grows), where a flip would change nothing.
+        base, end = mapped.data_ptr(), mapped.data_ptr() + mapped.numel()
+        inside = [b for b in snap.buffers if base <= b.data_ptr() < end]
+        if inside:
+            big = max(inside, key=lambda b: b.numel() * b.element_size())
+            at, n = big.data_ptr() - base, big.numel() * big.element_size()
     if mapped is not None and n >= 8:
         mid = at + n // 2 - 4
         mapped[mid : mid + 8] ^= 0xFF
