@@ -162,6 +162,11 @@ class Peers:
         while not self._stop.wait(self.interval_s):
             self._write()
 
+    def refresh(self) -> str | None:
+        """Write this node's file now: why the run directory refuses it (None: it took it)."""
+        self._write()
+        return self.failing
+
     def _write(self) -> None:
         """Write this node's file; a failure is said once and never raised (a full disk
         rewrites it in place; a read-only one leaves it stale, and the other nodes see us

@@ -78,6 +78,7 @@ class AttemptRunner:
                 launcher.term_sent_at = time.monotonic()
             stalled = self._watch(attempt, started)
             rc = launcher.finish()
+            self.watch.settle()
             ended = time.time()  # before the reading below: the ledger's end of the attempt
             runtime = time.monotonic() - started
             launcher.forget()

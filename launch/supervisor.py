@@ -108,7 +108,10 @@ class Supervisor:
         self.stops = StopRequests(self.launcher, node, sup.grace_s)
         # The other nodes' supervisors (launch/cluster.py): one attempt id, one end.
         self.cluster = Cluster(run_dir, node, cmd, sup, step=lambda: self.watch.step)
-        self.watch = HangWatch(run_dir, node, sup, failing=lambda: self.cluster.peers.failing)
+        peers = self.cluster.peers
+        self.watch = HangWatch(
+            run_dir, node, sup, failing=lambda: peers.failing, refresh=peers.refresh
+        )
         self.services = Services(policy, run_dir, node, self.cluster.peers)
         self.runner = AttemptRunner(
             cmd, run_dir, sup, self.launcher, self.stops, self.watch, self.cluster,

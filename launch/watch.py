@@ -44,10 +44,12 @@ class HangWatch:
         node: str,
         sup: SupervisorPolicy,
         failing: Callable[[], str | None],
+        refresh: Callable[[], str | None],
     ) -> None:
         self.run_dir, self.node, self.sup = run_dir, node, sup
         self.host = socket.gethostname()
         self._failing = failing  # why the run directory refuses our writes (None: it takes them)
+        self._refresh = refresh  # the same, from a write tried now
         self.journal: Journal | None = None  # set once the supervisor opens it
         self._max_step: int | None = None  # highest step seen in the current attempt
         self._stalls = Stalls(clock_id(), MIN_PAUSE_S)
@@ -91,7 +93,7 @@ class HangWatch:
                 f"the supervisor did not run for {stalls.paused_s:.0f} s (a paused VM or "
                 "process?): hang ages count from now"
             )
-        if self._run_dir_refuses(now):
+        if self._run_dir_refuses(now, self._failing()):
             stalls.restart(now)  # silence is no hang while the beats cannot be written
             return None
         if not beats:
@@ -106,13 +108,19 @@ class HangWatch:
         }
         return late or None
 
-    def _run_dir_refuses(self, now: float) -> bool:
+    def settle(self) -> None:
+        """At an attempt's end: a pause whose cause has gone (the supervisor's own file is
+        written again, tried now) is journaled as over, so no pause outlives its cause
+        unsaid when the run ends between two looks."""
+        if self._blind is not None:
+            self._run_dir_refuses(time.monotonic(), self._refresh())
+
+    def _run_dir_refuses(self, now: float, failing: str | None) -> bool:
         """While this supervisor's own file in the run directory cannot be written (read-only,
         I/O errors; a full disk is written in place), the ranks' heartbeats cannot be either:
         hangs are not judged by them. Said and journaled when it starts and when it ends
         (an event the journal cannot take waits for it, see orchestrator/journal.py)."""
         assert self.journal is not None
-        failing = self._failing()
         if failing is not None and self._blind is None:
             self._blind = (now, failing)
             _say(
