@@ -22,8 +22,6 @@ LONG_MODULES: dict[str, str] = {}
 
 # "path::Qualified.name" -> why it is still over MAX_FUNCTION_LINES.
 LONG_FUNCTIONS = {
-    "orchestrator/recovery.py::Recovery.recover": "not split yet (84 lines: quarantine, pick, "
-    "restore and adjust of one rollback, journaled together)",
     "orchestrator/store.py::DurableStore.write_part": "edited by the event-protocol work of "
     "issue 31",
     "launch/status.py::render": "rewritten torch-free by the event-protocol work of issue 31",
