@@ -2,18 +2,18 @@
 
 report.png: loss and grad norm against the step, the LR on a second axis, incidents as
 vertical lines coloured by classification, rolled-back steps shaded, restarts and durable
-snapshots marked, and the wall time split by the goodput ledger (needs matplotlib:
-``pip install -e '.[report]'``). report.md: the totals, the goodput split, the timeline
-(time, step, event, evidence, action), and the quarantine list with where each sample id
-came from. Both from the journal (every node's, merged by time) and
-RUN_DIR/metrics.jsonl only: the report works on a finished, crashed or running run alike.
+snapshots marked, and the wall time split by the goodput ledger (drawn by
+:mod:`launch.report_plot`; needs matplotlib: ``pip install -e '.[report]'``). report.md: the
+totals, the goodput split, the timeline (time, step, event, evidence, action), and the
+quarantine list with where each sample id came from. Both from the journal (every node's,
+merged by time) and RUN_DIR/metrics.jsonl only: the report works on a finished, crashed or
+running run alike.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import math
 import os
 import statistics
 import time
@@ -26,7 +26,6 @@ from orchestrator.events import (
     Diagnosis,
     Event,
     Incident,
-    Persist,
     Quarantine,
     Recovered,
     Restart,
@@ -39,14 +38,6 @@ from orchestrator.events import (
 from orchestrator.events.base import R
 from orchestrator.goodput import KINDS, Ledger, ledger
 from orchestrator.journal import read_events, read_metrics
-
-COLOURS = {
-    "transient": "tab:orange",
-    "deterministic": "tab:red",
-    "precision": "tab:purple",
-    "data_or_model": "tab:brown",
-    None: "tab:red",
-}
 
 
 @dataclass
@@ -281,104 +272,7 @@ def metric_gaps(steps: list[int]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in itertools.pairwise(steps) if b - a > 2 * max(spacing, 1)]
 
 
-# --- the picture --------------------------------------------------------------------------------
-def plot(rec: RunRecord, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    final: dict[float, dict[str, Any]] = {}
-    for m in rec.metrics:  # a replayed step's last record wins: the timeline kept
-        final[int(m["step"])] = m
-    gaps = metric_gaps(sorted(int(s) for s in final))
-    for a, _ in gaps:  # a NaN point in each gap breaks the lines: nothing drawn through it
-        final[a + 0.5] = {}
-    steps = sorted(final)
-    fig = plt.figure(figsize=(11, 8))
-    grid = fig.add_gridspec(3, 1, height_ratios=[3, 2, 0.7])
-    ax_loss = fig.add_subplot(grid[0])
-    ax_gn = fig.add_subplot(grid[1], sharex=ax_loss)
-    _goodput_bar(fig.add_subplot(grid[2]), rec.goodput)
-    loss = [final[s].get("loss", math.nan) for s in steps]
-    ax_loss.plot(steps, loss, lw=1, color="tab:blue", label="loss")
-    finite = [v for v in loss if v is not None and v > 0]
-    if finite and max(finite) / min(finite) > 10:
-        ax_loss.set_yscale("log")
-    ax_loss.set_ylabel("loss")
-    lrs = [final[s].get("lr", math.nan) for s in steps]
-    if any(v is not None for v in lrs):
-        ax_lr = ax_loss.twinx()
-        ax_lr.plot(steps, lrs, lw=1, color="tab:green", alpha=0.7, label="LR")
-        ax_lr.set_ylabel("LR", color="tab:green")
-    gn = [final[s].get("grad_norm", math.nan) for s in steps]
-    ax_gn.plot(steps, gn, lw=1, color="tab:gray", label="grad norm")
-    if any(v is not None and v > 0 for v in gn):
-        ax_gn.set_yscale("log")
-    ax_gn.set_ylabel("grad norm")
-    ax_gn.set_xlabel("step")
-    classes = {e.record.incident_step: e.record.classification for e in rec.of(Diagnosis)}
-    for ax in (ax_loss, ax_gn):
-        for a, b in gaps:
-            ax.axvspan(a, b, color="tab:gray", alpha=0.15, lw=0, hatch="//")
-        for r in rec.of(Rollback):
-            if r.record.from_step is not None:
-                ax.axvspan(r.record.to_step, r.record.from_step, color="tab:red", alpha=0.12, lw=0)
-        for e in rec.of(Incident):
-            ax.axvline(e.step, color=COLOURS.get(classes.get(e.step), "tab:red"), lw=1.5)
-        for s in rec.of(Resume):
-            ax.axvline(s.record.snapshot_step, color="black", ls="--", lw=1)
-        for p in rec.of(Persist):
-            ax.plot([p.step], [0], marker="v", color="tab:blue", ms=5,
-                    transform=ax.get_xaxis_transform(), clip_on=False)  # fmt: skip
-    handles = [
-        plt.Line2D([], [], color="tab:red", lw=1.5, label="incident"),
-        plt.Rectangle((0, 0), 1, 1, color="tab:red", alpha=0.12, label="rolled back"),
-        plt.Line2D([], [], color="black", ls="--", label="restart (resumed step)"),
-        plt.Line2D([], [], color="tab:blue", marker="v", ls="", label="durable snapshot"),
-    ]
-    if gaps:
-        handles.append(plt.Rectangle((0, 0), 1, 1, color="tab:gray", alpha=0.15, hatch="//",
-                                     label="no metrics (lost in a crash)"))  # fmt: skip
-    ax_loss.legend(handles=handles, loc="upper right", fontsize=8)
-    t = totals(rec)
-    fig.suptitle(
-        f"{t['incidents']} incident(s), {t['rollbacks']} rollback(s), {t['restarts']} "
-        f"restart(s), {t['quarantined_samples']} quarantined sample(s)"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-GOODPUT_COLOURS = {
-    "productive": "tab:green",
-    "startup": "tab:gray",
-    "restart": "tab:orange",
-    "hang": "tab:red",
-    "preemption": "tab:purple",
-    "lost": "tab:brown",
-    "replayed": "tab:pink",
-    "incident": "gold",
-    "snapshot": "tab:blue",
-    "check": "tab:cyan",
-    "persist": "tab:olive",
-}
-
-
-def _goodput_bar(ax: Any, led: Ledger) -> None:
-    """One bar: the wall time, split by the ledger's kinds."""
-    left = 0.0
-    for kind, seconds in led.parts.items():
-        if seconds <= 0:
-            continue
-        ax.barh([0], [seconds], left=left, color=GOODPUT_COLOURS[kind], label=kind)
-        left += seconds
-    ax.set_yticks([])
-    ax.set_xlabel(f"wall time (s): goodput {_share(led.goodput)}")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.9), ncol=6, fontsize=8, frameon=False)
-
-
+# --- both (the picture is launch/report_plot.py's) ----------------------------------------------
 def write_report(run_dir: str, out_dir: str | None = None) -> tuple[str, str | None]:
     """Write report.md (always) and report.png (with matplotlib); return their paths."""
     rec = load(run_dir)
@@ -387,6 +281,8 @@ def write_report(run_dir: str, out_dir: str | None = None) -> tuple[str, str | N
     png: str | None = os.path.join(out_dir, "report.png")
     why = None
     try:
+        from launch.report_plot import plot  # the figure's module imports this one
+
         if not rec.metrics:
             raise RuntimeError(f"no {os.path.join(run_dir, 'metrics.jsonl')} (metrics off?)")
         plot(rec, png)  # type: ignore[arg-type]

@@ -11,6 +11,7 @@ from launch.hangs import culprit_words
 from launch.nodes import supervisors
 from orchestrator.events import (
     Event,
+    EventLog,
     Hang,
     Incident,
     Quarantine,
@@ -35,18 +36,20 @@ def render(run_dir: str) -> str:
         return f"{run_dir}: no such run directory"
     log = read_events(run_dir)
     events = log.events
-    attempt = max((e.attempt for e in events), default=0)
-    last = events[-1] if events else None
-    sup = [e for e in events if e.kind in ("attempt_start", "supervisor_exit")]
-    exit_event = sup[-1] if sup and isinstance(sup[-1].record, SupervisorExit) else None
-    share = quarantine_share(events)
-    if share is not None:
-        quarantined = f"{share[0]} ({share[0] / max(share[1], 1):.2%} of {share[1]} samples seen)"
-    else:
-        quarantined = str(sum(len(e.record.samples) for e in of(events, Quarantine)))
-    incidents = of(events, Incident)
-    causes = Counter(e.record.cause for e in incidents)
-    lines = [f"run {run_dir}"]
+    lines = [f"run {run_dir}", *_journal_lines(log), _counts_line(events)]
+    lines += _goodput_lines(events, read_metrics(run_dir))
+    lines += _last_word(events)
+    lines += _supervisor_lines(supervisors(run_dir))
+    lines += _heartbeat_lines(read_heartbeats(run_dir))
+    lines.append(_snapshots_line(run_dir))
+    for e in [e for e in events if e.kind in ("incident", "restart", "hang", "gave_up")][-5:]:
+        lines.append(_row(e))
+    return "\n".join(lines)
+
+
+def _journal_lines(log: EventLog) -> list[str]:
+    """What reading the journal skipped: damaged lines, kinds this version does not know."""
+    lines = []
     damaged = log.damaged
     if damaged:  # a crash or a full disk mid-write, or a line that is no event
         lines.append(
@@ -56,65 +59,103 @@ def render(run_dir: str) -> str:
     if log.unknown:  # kinds of a newer version
         known = ", ".join(f"{k} ({n})" for k, n in sorted(log.unknown.items()))
         lines.append(f"  journal: events of kinds this version does not know skipped: {known}")
-    lines.append(
+    return lines
+
+
+def _counts_line(events: list[Event[Any]]) -> str:
+    """The attempt, the newest step, and how many restarts, hangs, incidents (by cause),
+    rollbacks and quarantined samples the run has had."""
+    attempt = max((e.attempt for e in events), default=0)
+    share = quarantine_share(events)
+    if share is not None:
+        quarantined = f"{share[0]} ({share[0] / max(share[1], 1):.2%} of {share[1]} samples seen)"
+    else:
+        quarantined = str(sum(len(e.record.samples) for e in of(events, Quarantine)))
+    incidents = of(events, Incident)
+    causes = Counter(e.record.cause for e in incidents)
+    return (
         f"  attempt {attempt}   newest step {max((e.step for e in events), default=0)}   "
         f"restarts {len(first_each_attempt(events, Restart))}   "
         f"hangs {len(first_each_attempt(events, Hang))}   incidents {len(incidents)} "
         f"(data {causes['data']}, unexplained {causes['unexplained']})   "
         f"rollbacks {len(of(events, Rollback))}   quarantined {quarantined}"
     )
-    led = ledger(events, read_metrics(run_dir))
-    if led.wall_s > 0:
-        lost = sorted(
-            ((k, v) for k, v in led.parts.items() if k != "productive" and v >= 0.05),
-            key=lambda kv: -kv[1],
-        )
-        lines.append(
-            f"  goodput {led.goodput:.1%}: productive {led.parts['productive']:.0f} s of "
-            f"{led.wall_s:.0f} s" + (
-                "; " + ", ".join(f"{k} {v:.1f} s" for k, v in lost[:5]) if lost else "")
-        )  # fmt: skip
+
+
+def _goodput_lines(events: list[Event[Any]], rows: list[dict[str, Any]]) -> list[str]:
+    """The goodput and the largest losses (none before the run has taken any time)."""
+    led = ledger(events, rows)
+    if led.wall_s <= 0:
+        return []
+    lost = sorted(
+        ((k, v) for k, v in led.parts.items() if k != "productive" and v >= 0.05),
+        key=lambda kv: -kv[1],
+    )
+    return [
+        f"  goodput {led.goodput:.1%}: productive {led.parts['productive']:.0f} s of "
+        f"{led.wall_s:.0f} s" + (
+            "; " + ", ".join(f"{k} {v:.1f} s" for k, v in lost[:5]) if lost else "")
+    ]  # fmt: skip
+
+
+def _last_word(events: list[Event[Any]]) -> list[str]:
+    """How the supervisor exited, when its last word was its exit; else the last event."""
+    last = events[-1] if events else None
+    sup = [e for e in events if e.kind in ("attempt_start", "supervisor_exit")]
+    exit_event = sup[-1] if sup and isinstance(sup[-1].record, SupervisorExit) else None
     if exit_event is not None and isinstance(exit_event.record, SupervisorExit):
         said = exit_event.record
-        lines.append(f"  supervisor exited {said.exit_code}: {said.reason}")
-    elif last:
+        return [f"  supervisor exited {said.exit_code}: {said.reason}"]
+    if last:
         age = time.time() - last.time
-        lines.append(f"  last event {last.kind} at step {last.step}, {age:.0f} s ago")
-    sups = supervisors(run_dir)
-    if sups:
-        lines.append("  node        supervisor                      attempt  state")
-        for info in sups:
-            state = info.get("state", "?")
-            if state == "exited":
-                state += f" {info.get('exit_code')}: {info.get('reason', '')}"
-            else:
-                state += f" (beat {time.time() - float(info.get('time', 0)):.0f} s ago)"
-            who = f"pid {info.get('pid', '?')} on {info.get('host', '?')}"
-            lines.append(
-                f"  {info.get('node', '?'):<10}  {who:<30}  {info.get('attempt', '?'):>7}  {state}"
-            )
-    beats = read_heartbeats(run_dir)
-    if beats:
-        lines.append("  rank  attempt  step     phase       progress age    node (host)")
-        for b in beats:
-            age = time.time() - progress_time(b)
-            lines.append(
-                f"  {b['rank']:>4}  {b['attempt']:>7}  {b['step']:>6}   {b.get('phase', ''):<10}  "
-                f"{age:>10.1f} s   {b.get('node', '')} ({b.get('host', '')})"
-            )
+        return [f"  last event {last.kind} at step {last.step}, {age:.0f} s ago"]
+    return []
+
+
+def _supervisor_lines(sups: list[dict[str, Any]]) -> list[str]:
+    """A table of every node's supervisor: who, which attempt, running or exited how."""
+    if not sups:
+        return []
+    lines = ["  node        supervisor                      attempt  state"]
+    for info in sups:
+        state = info.get("state", "?")
+        if state == "exited":
+            state += f" {info.get('exit_code')}: {info.get('reason', '')}"
+        else:
+            state += f" (beat {time.time() - float(info.get('time', 0)):.0f} s ago)"
+        who = f"pid {info.get('pid', '?')} on {info.get('host', '?')}"
+        lines.append(
+            f"  {info.get('node', '?'):<10}  {who:<30}  {info.get('attempt', '?'):>7}  {state}"
+        )
+    return lines
+
+
+def _heartbeat_lines(beats: list[dict[str, Any]]) -> list[str]:
+    """A table of each rank's latest heartbeat: attempt, step, phase, age of its progress."""
+    if not beats:
+        return []
+    lines = ["  rank  attempt  step     phase       progress age    node (host)"]
+    for b in beats:
+        age = time.time() - progress_time(b)
+        lines.append(
+            f"  {b['rank']:>4}  {b['attempt']:>7}  {b['step']:>6}   {b.get('phase', ''):<10}  "
+            f"{age:>10.1f} s   {b.get('node', '')} ({b.get('host', '')})"
+        )
+    return lines
+
+
+def _snapshots_line(run_dir: str) -> str:
+    """The newest committed durable snapshots, at the URL the run's policy names."""
     try:
         policy_file = os.path.join(run_dir, POLICY_NAME)
         policy = load_policy(policy_file) if os.path.exists(policy_file) else None
         url = (policy.persist.url if policy else None) or default_url(run_dir)
         committed = SnapshotLayout(url).committed_steps()
-        lines.append(
+        return (
             f"  durable snapshots: {committed[:5] if committed else 'none'} (newest first) at {url}"
         )
     except Exception as err:  # status must always print
-        lines.append(f"  durable snapshots: cannot list ({err})")
-    for e in [e for e in events if e.kind in ("incident", "restart", "hang", "gave_up")][-5:]:
-        lines.append(_row(e))
-    return "\n".join(lines)
+        return f"  durable snapshots: cannot list ({err})"
 
 
 def _row(e: Event[Any]) -> str:

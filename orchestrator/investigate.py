@@ -205,16 +205,8 @@ class Investigation:
                 "rest": self._rest,
             }
         )
-        spike, rest_sum, rest_n = self._spike, 0.0, 0
-        for g in gathered:
-            rest_sum, rest_n = rest_sum + g["rest"][0], rest_n + g["rest"][1]
-        # Without its culprits the step still spikes: every sample shows it (an LR or a
-        # model gone wrong), some more than others; none of them is the data's doing.
-        rest_spikes = (
-            spike is not None
-            and rest_n > 0
-            and spike.exceeded(rest_sum / rest_n, rest_n / max(self._step_samples, 1))
-        )
+        spike = self._spike
+        rest_spikes = self._rest_spikes(gathered)
         inc = self._inc
         inc.reproduced = any(g["reproduced"] for g in gathered)
         inc.probe_steps = self._reruns
@@ -225,46 +217,75 @@ class Investigation:
         elif not inc.reproduced:
             actions = {"cut_lr"}
         found = sorted({i for g in gathered for i in g["culprits"]})
-        q = self.policy.quarantine
-        quarantine = q.enabled and "quarantine" in actions
+        quarantine = self.policy.quarantine.enabled and "quarantine" in actions
         health = "health" in actions and not self.policy.health.on_incident
-        # Explained by data: bisection reproduced it on a few samples and the rest of the
-        # step was clean without them. Reproducible on every sample (or on most) is the
-        # model or the LR, not the data: nothing is quarantined then.
-        if not inc.reproduced:
-            why = "not_reproduced"
-        elif not self.splits:
-            why = "not_isolated"
-        elif not quarantine:  # diagnose.actions (or quarantine.enabled) said not to
-            why = "not_quarantined"
-        elif (
-            rest_spikes
-            or any(g["exceeded"] for g in gathered)
-            or not (0 < len(found) <= q.max_step_fraction * self._step_samples)
-        ):
-            why = "most_samples"
-        elif self._previous is not None and inc.step <= self._previous:
-            # The replay after the last incident failed again before getting past it: a
-            # replay is exact and its samples passed before, so the model is what changed
-            # (or a bad sample moved into the step as quarantine shifted the order: rare).
-            why = "recurred"
-        else:
-            adjust = self.policy.adjust
-            data = Verdict(
-                "data", "isolated", found, adjust.cut_lr_on_data, adjust.loss_scale_on_data, health
-            )
-            if spike is None:
-                return data
-            # A spike's culprits must spike on an older state too: an outlier sample does
-            # whatever the model; one that spiked only because an LR or a model went wrong
-            # (the samples it hurt most) does not, and quarantining it would be wrong.
-            self._probe = Bisection(mine, filler=self._step_ids[:1], split=False)
-            self._spike, self._confirming = spike, data
-            return Verdict(**{**data.__dict__, "confirm": True})
+        why = self._not_the_data(inc, gathered, found, quarantine, rest_spikes)
+        if why is None:
+            return self._data_verdict(mine, spike, found, health)
         # Without bisection (quarantine.isolate off) a reproduced step quarantines its
         # origin ranks' samples whole, as isolation off always has.
         culprits = found if quarantine and not self.splits else []
         return Verdict("unexplained", why, culprits, "cut_lr" in actions, True, health)
+
+    def _rest_spikes(self, gathered: list[dict[str, Any]]) -> bool:
+        """Whether the step, without its culprits, still spikes (every rank's rest)."""
+        spike, rest_sum, rest_n = self._spike, 0.0, 0
+        for g in gathered:
+            rest_sum, rest_n = rest_sum + g["rest"][0], rest_n + g["rest"][1]
+        # Without its culprits the step still spikes: every sample shows it (an LR or a
+        # model gone wrong), some more than others; none of them is the data's doing.
+        return (
+            spike is not None
+            and rest_n > 0
+            and spike.exceeded(rest_sum / rest_n, rest_n / max(self._step_samples, 1))
+        )
+
+    def _not_the_data(
+        self,
+        inc: Incident,
+        gathered: list[dict[str, Any]],
+        found: list[int],
+        quarantine: bool,
+        rest_spikes: bool,
+    ) -> str | None:
+        """Why the incident is not the data's doing (the unexplained verdict's reason), or
+        None when the samples ``found`` explain it."""
+        # Explained by data: bisection reproduced it on a few samples and the rest of the
+        # step was clean without them. Reproducible on every sample (or on most) is the
+        # model or the LR, not the data: nothing is quarantined then.
+        if not inc.reproduced:
+            return "not_reproduced"
+        if not self.splits:
+            return "not_isolated"
+        if not quarantine:  # diagnose.actions (or quarantine.enabled) said not to
+            return "not_quarantined"
+        most = self.policy.quarantine.max_step_fraction * self._step_samples
+        if rest_spikes or any(g["exceeded"] for g in gathered) or not (0 < len(found) <= most):
+            return "most_samples"
+        if self._previous is not None and inc.step <= self._previous:
+            # The replay after the last incident failed again before getting past it: a
+            # replay is exact and its samples passed before, so the model is what changed
+            # (or a bad sample moved into the step as quarantine shifted the order: rare).
+            return "recurred"
+        return None
+
+    def _data_verdict(
+        self, mine: list[int], spike: SpikeBar | None, found: list[int], health: bool
+    ) -> Verdict:
+        """The data's verdict on the samples ``found``; for a spike, first to be confirmed
+        by re-running this rank's culprits (``mine``) on an older state."""
+        adjust = self.policy.adjust
+        data = Verdict(
+            "data", "isolated", found, adjust.cut_lr_on_data, adjust.loss_scale_on_data, health
+        )
+        if spike is None:
+            return data
+        # A spike's culprits must spike on an older state too: an outlier sample does
+        # whatever the model; one that spiked only because an LR or a model went wrong
+        # (the samples it hurt most) does not, and quarantining it would be wrong.
+        self._probe = Bisection(mine, filler=self._step_ids[:1], split=False)
+        self._spike, self._confirming = spike, data
+        return Verdict(**{**data.__dict__, "confirm": True})
 
     def _confirmed(self, data: Verdict) -> Verdict:
         """The verdict after a spike's culprits were re-run on an older state: the data's

@@ -203,6 +203,20 @@ class StateKeeper:
         tree, manifest, url = found
         g = tree["guard"]
         step = int(g["step"])
+        snap = self._resumed_snapshot(step, tree)
+        self._restore_resumed(snap, step, url)
+        snap.digest = self.digest()  # of the state as loaded: compared at its first check
+        local = tree.get("data")
+        self.cursor.rewind(step, g, local)
+        self.adjuster.load_state_dict(g["adjust"])
+        self.user.restore(snap)
+        self.durable.invalidate_after(step)
+        self._journal_resume(step, url, manifest, g, local is not None)
+        return step
+
+    def _resumed_snapshot(self, step: int, tree: dict[str, Any]) -> Snapshot:
+        """The loaded ``tree`` as the ring's first snapshot, copied in and sealed
+        (collective where ranks share a node's memory)."""
         snap = self.ring.capture(step, tree, self._alike(tree))
         assert snap is not None  # the ring is empty at start
         if self._shares_node:
@@ -210,6 +224,10 @@ class StateKeeper:
         snap.wait()
         snap.sealed = True
         self._sealed(snap)
+        return snap
+
+    def _restore_resumed(self, snap: Snapshot, step: int, url: str) -> None:
+        """Restore the resumed snapshot into the engine, or say that it does not fit."""
         try:
             self.engine.restore(snap, 1.0)
         except (RuntimeError, KeyError, ValueError) as err:
@@ -218,12 +236,12 @@ class StateKeeper:
                 "Resume with the model it was written by, or set persist.resume: false (or "
                 "another persist.url) to start from scratch"
             ) from err
-        snap.digest = self.digest()  # of the state as loaded: compared at its first check
-        local = tree.get("data")
-        self.cursor.rewind(step, g, local)
-        self.adjuster.load_state_dict(g["adjust"])
-        self.user.restore(snap)
-        self.durable.invalidate_after(step)
+
+    def _journal_resume(
+        self, step: int, url: str, manifest: dict[str, Any], g: dict[str, Any], per_rank: bool
+    ) -> None:
+        """Journal the resume at ``step`` and, on rank 0, say what it restored and how to
+        start over instead (``per_rank``: the data position is each rank's loader's)."""
         self.decide(
             "resume",
             step,
@@ -234,7 +252,7 @@ class StateKeeper:
             saved_world_size=manifest["world_size"],
             world_size=self.comm.world_size,
             **{k: g[k] for k in ("epoch", "offset") if k in g},
-            data_position="per rank" if local is not None else "shared",
+            data_position="per rank" if per_rank else "shared",
         )
         if self.comm.rank == 0:
             mult = self.adjuster.multiplier()
@@ -247,9 +265,6 @@ class StateKeeper:
                 url,
                 manifest["world_size"],
                 " and loss scale" if self.engine.has_loss_scaler else "",
-                "the loader's state"
-                if local is not None
-                else f"epoch {g['epoch']}, offset {g['offset']}",
+                "the loader's state" if per_rank else f"epoch {g['epoch']}, offset {g['offset']}",
                 f", LR multiplier {mult:g}" if mult != 1.0 else "",
             )
-        return step

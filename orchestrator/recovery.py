@@ -270,6 +270,18 @@ class Recovery(Divergence, LedgerKeeping, Stops):
         inc = self.open
         assert inc is not None
         self.engine.abandon()
+        self._quarantine(inc, culprits)
+        scale_factor = (
+            self.policy.adjust.loss_scale_factor if scale and self.engine.has_loss_scaler else 1.0
+        )
+        step = self._roll_back(inc, scale_factor, agreed_only, before)
+        self._adjust(inc, step, cut_lr, scale_factor)
+        self._close(inc, step)
+        return step
+
+    def _quarantine(self, inc: Incident, culprits: list[int]) -> None:
+        """Quarantine the open incident's ``culprits`` (journaled, persisted to the ledger)
+        and charge the data budget when the incident belongs to it."""
         if culprits:
             self.cursor.quarantine(culprits)
             written = self._ledger_add(culprits, inc.step, inc.reason)
@@ -289,9 +301,13 @@ class Recovery(Divergence, LedgerKeeping, Stops):
         if inc.budget == "data":
             self._check_data_budget(inc.step)
 
-        adjust = self.policy.adjust
+    def _roll_back(
+        self, inc: Incident, scale_factor: float, agreed_only: bool, before: int | None
+    ) -> int:
+        """Restore the snapshot :meth:`recover` picks, rewind the data and the user's
+        objects to it, drop what came after it (ring, durable tier, the step's metrics) and
+        journal the rollback. Returns the step rolled back to."""
         t0 = time.perf_counter()
-        scale_factor = adjust.loss_scale_factor if scale and self.engine.has_loss_scaler else 1.0
         scale_before = self.engine.loss_scale()
         target, age_met = self._restore(
             inc.step if before is None else before, scale_factor, agreed_only
@@ -320,6 +336,12 @@ class Recovery(Divergence, LedgerKeeping, Stops):
             ),
         )
         inc.rolled_back_to = target.step
+        return step
+
+    def _adjust(self, inc: Incident, step: int, cut_lr: bool, scale_factor: float) -> None:
+        """Cut the LR (or keep it, without ``cut_lr``) after a rollback to ``step``, and
+        journal the adjustment with the loss-scale factor the restore applied."""
+        adjust = self.policy.adjust
         inc.lr_multiplier = self.adjuster.on_incident() if cut_lr else self.adjuster.multiplier()
         inc.loss_scale_factor = scale_factor
         self.decide(
@@ -331,13 +353,15 @@ class Recovery(Divergence, LedgerKeeping, Stops):
             rewarm_steps=adjust.rewarm_steps,
             loss_scale_factor=scale_factor,
         )
+
+    def _close(self, inc: Incident, step: int) -> None:
+        """Journal the recovered incident, close it and beat the heartbeat at ``step``."""
         inc.duration_s = time.time() - inc.started_at
         self.decide("recovered", step, incident=inc.to_dict())
         if self.comm.rank == 0:
             self.log.warning("%s", inc.format())
         self.open = None
         self.heartbeat.beat(step, phase="recovered", force=True)
-        return step
 
     def _restore(self, bad_step: int, scale_factor: float, agreed_only: bool) -> tuple[Any, bool]:
         """Restore the newest fitting snapshot whose restored state matches the digest it

@@ -45,16 +45,18 @@ its files not yet): the fault drills kill a rank there.
 
 from __future__ import annotations
 
-import pickle
 import time
 import warnings
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from orchestrator.codec import decode, dtype_of, encode, tensors_of
+
+# DCP's adapted reader and writer are the store's names too, as before they moved.
+from orchestrator.dcp_io import dcp_reader, dcp_writer, read_dcp_metadata  # noqa: F401
 from orchestrator.errors import PersistError
 
 # The layout's and the manifest's names are the store's too, as before the split.
@@ -82,45 +84,6 @@ warnings.filterwarnings(
     module="torch.distributed.checkpoint",
 )
 
-# layouts and paths. Anything else (a function to call, a class to build) is refused.
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED_METADATA = {
-    (_DCP_METADATA, "Metadata"),
-    (_DCP_METADATA, "ChunkStorageMetadata"),
-    (_DCP_METADATA, "MetadataIndex"),
-    (_DCP_METADATA, "StorageMeta"),
-    (_DCP_METADATA, "TensorProperties"),
-    (_DCP_METADATA, "TensorStorageMetadata"),
-    (_DCP_METADATA, "BytesStorageMetadata"),
-    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (module, name) in _ALLOWED_METADATA or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(
-                f"DCP metadata refers to {module}.{name}, which a checkpoint's metadata never "
-                "holds: refused without loading it (it could run code)"
-            )
-        return super().find_class(module, name)
-
-
-def read_dcp_metadata(f: IO[bytes]) -> Any:
-    """A DCP ``.metadata`` file, unpickled with the allow-list above."""
-    return _MetadataUnpickler(f).load()
-
 
 class DurableStore(SnapshotLayout):
     """The layout of :class:`orchestrator.layout.SnapshotLayout` with what needs torch:
@@ -142,8 +105,6 @@ class DurableStore(SnapshotLayout):
         ``native`` keys go to the engine's own files at the given paths (an engine's own
         checkpoint layout) instead of DCP; ``texts`` are small files written as given.
         """
-        from orchestrator.engines.native import save_native  # only engines with such files
-
         d = step_dir(snap.step)
         done = self._stored_part(d, rank, nonce)
         if done is not None:
@@ -156,34 +117,9 @@ class DurableStore(SnapshotLayout):
         skeleton: dict[str, Any] = {
             k: encode(snap.skeleton[k], k, tensors, snap.buffers) for k in keys if k not in native
         }
-        part = self.path(d, f"rank_{rank}")
-        self.fs.makedirs(part, exist_ok=True)
-        if tensors:
-            # The save id DCP writes into .metadata is the nonce's, not a fresh one: a part
-            # written twice for one nonce (a retry racing a request that landed late) must
-            # be the same bytes, whichever copy of its index rank 0 read.
-            writer = dcp_writer(self.fs, part, f"{nonce}/rank_{rank}" if nonce else None)
-            dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
-        self._phase("part", snap.step)
-        files: dict[str, dict[str, Any]] = {}
-        for info in self.fs.ls(part, detail=True):
-            name = info["name"].rsplit("/", 1)[-1]
-            files[f"rank_{rank}/{name}"] = {
-                "size": int(info["size"]),
-                "sha256": self._sha(info["name"]),
-            }
-        for key, rel in native.items():
-            path = self.path(d, rel)
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            with self.fs.open(path, "wb") as f:
-                save_native(snap.host(key), f)  # host tensors: no device copy to write
-            skeleton[key] = {"__native__": rel}
-            files[rel] = {"size": self.fs.size(path), "sha256": self._sha(path), "rank": rank}
-        for rel, text in (texts or {}).items():
-            path = self.path(d, rel)
-            with self.fs.open(path, "w", encoding="utf-8") as f:
-                f.write(text)
-            files[rel] = {"size": self.fs.size(path), "sha256": self._sha(path), "rank": rank}
+        files = self._write_tensors(d, rank, nonce, tensors, snap.step)
+        self._write_native(d, rank, snap, native, skeleton, files)
+        self._write_texts(d, rank, texts or {}, files)
         doc = {
             "rank": rank,
             "nonce": nonce,
@@ -192,19 +128,66 @@ class DurableStore(SnapshotLayout):
             "keys": keys,
             "skeleton": skeleton,
             "tensors": {p: [list(t.shape), str(t.dtype)] for p, t in tensors.items()},
-            # What held infinities when written (a causal mask's -inf is legitimate): those
-            # may read back infinite, never NaN; everything else must read back finite.
-            "nonfinite": sorted(
-                p
-                for p, t in tensors.items()
-                if t.is_floating_point()
-                and not bool(torch.isfinite(t).all())
-                and not bool(torch.isnan(t).any())
-            ),
+            "nonfinite": _nonfinite(tensors),
             "files": files,
         }
         self._write_json(self.path(d, f"rank_{rank}.json"), doc)
         return sum(int(f["size"]) for f in files.values())
+
+    def _write_tensors(
+        self, d: str, rank: int, nonce: str, tensors: dict[str, torch.Tensor], step: int
+    ) -> dict[str, dict[str, Any]]:
+        """Save this rank's ``tensors`` with DCP under ``rank_<rank>/`` of ``d`` (the
+        ``part`` phase once saved); return size + sha256 of every file there."""
+        part = self.path(d, f"rank_{rank}")
+        self.fs.makedirs(part, exist_ok=True)
+        if tensors:
+            # The save id DCP writes into .metadata is the nonce's, not a fresh one: a part
+            # written twice for one nonce (a retry racing a request that landed late) must
+            # be the same bytes, whichever copy of its index rank 0 read.
+            writer = dcp_writer(self.fs, part, f"{nonce}/rank_{rank}" if nonce else None)
+            dcp.save(dict(tensors), storage_writer=writer, no_dist=True)
+        self._phase("part", step)
+        files: dict[str, dict[str, Any]] = {}
+        for info in self.fs.ls(part, detail=True):
+            name = info["name"].rsplit("/", 1)[-1]
+            files[f"rank_{rank}/{name}"] = {
+                "size": int(info["size"]),
+                "sha256": self._sha(info["name"]),
+            }
+        return files
+
+    def _write_native(
+        self,
+        d: str,
+        rank: int,
+        snap: Snapshot,
+        native: dict[str, str],
+        skeleton: dict[str, Any],
+        files: dict[str, dict[str, Any]],
+    ) -> None:
+        """Write the ``native`` keys to the engine's own files (key -> path under ``d``),
+        pointing their ``skeleton`` entries at them and adding them to ``files``."""
+        from orchestrator.engines.native import save_native  # only engines with such files
+
+        for key, rel in native.items():
+            path = self.path(d, rel)
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            with self.fs.open(path, "wb") as f:
+                save_native(snap.host(key), f)  # host tensors: no device copy to write
+            skeleton[key] = {"__native__": rel}
+            files[rel] = {"size": self.fs.size(path), "sha256": self._sha(path), "rank": rank}
+
+    def _write_texts(
+        self, d: str, rank: int, texts: dict[str, str], files: dict[str, dict[str, Any]]
+    ) -> None:
+        """Write the small text files ``texts`` (path under ``d`` -> text) as given, adding
+        them to ``files``."""
+        for rel, text in texts.items():
+            path = self.path(d, rel)
+            with self.fs.open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+            files[rel] = {"size": self.fs.size(path), "sha256": self._sha(path), "rank": rank}
 
     def commit(
         self,
@@ -311,79 +294,14 @@ class DurableStore(SnapshotLayout):
         return None
 
 
-class _FixedSaveId:
-    """A DCP writer whose ``.metadata`` carries the save id it is given (None: DCP's own,
-    a fresh uuid per save), so that saving the same tensors again gives the same bytes."""
-
-    fixed_save_id: str | None = None
-
-    def storage_meta(self) -> Any:
-        meta = super().storage_meta()  # type: ignore[misc]
-        if meta is not None and self.fixed_save_id is not None:
-            meta.save_id = self.fixed_save_id
-        return meta
-
-
-class _FixedFileSystemWriter(_FixedSaveId, dcp.FileSystemWriter):
-    pass
-
-
-def dcp_writer(fs: Any, path: str, save_id: str | None = None) -> dcp.StorageWriter:
-    """DCP's writer for ``path`` on ``fs``; ``save_id``: what its ``.metadata`` records as
-    the save's id (None: a fresh one, DCP's default)."""
-    writer: _FixedSaveId
-    if _is_local(fs):
-        writer = _FixedFileSystemWriter(path, sync_files=True)
-    else:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        class _FixedFsspecWriter(_FixedSaveId, FsspecWriter):
-            pass
-
-        writer = _FixedFsspecWriter(fs.unstrip_protocol(path), sync_files=False)
-    writer.fixed_save_id = save_id
-    assert isinstance(writer, dcp.StorageWriter)
-    return writer
-
-
-class _SafeMetadata:
-    """A DCP reader whose ``.metadata`` is unpickled with the allow-list (DCP's own
-    ``read_metadata`` is a plain ``pickle.load``)."""
-
-    fs: Any
-    path: Any
-    load_id: Any
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        get_path = getattr(self, "_get_metadata_path", None)
-        path = (
-            get_path(kwargs.get("rank"))
-            if get_path
-            else self.fs.concat_path(self.path, ".metadata")
-        )
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = read_dcp_metadata(f)
-        for info in (getattr(metadata, "storage_data", None) or {}).values():
-            # DCP opens what the metadata names: it must not leave the part's directory.
-            safe_rel(getattr(info, "relative_path", None), f"{path}")
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _SafeFileSystemReader(_SafeMetadata, dcp.FileSystemReader):
-    pass
-
-
-def dcp_reader(fs: Any, path: str) -> dcp.StorageReader:
-    if _is_local(fs):
-        return _SafeFileSystemReader(path)
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-    class _SafeFsspecReader(_SafeMetadata, FsspecReader):
-        pass
-
-    return _SafeFsspecReader(fs.unstrip_protocol(path))
+def _nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The paths of the floating ``tensors`` that hold infinities and no NaN, sorted. A part's
+    index records them: a causal mask's -inf is legitimate, so those may read back infinite,
+    never NaN; everything else must read back finite."""
+    return sorted(
+        p
+        for p, t in tensors.items()
+        if t.is_floating_point()
+        and not bool(torch.isfinite(t).all())
+        and not bool(torch.isnan(t).any())
+    )

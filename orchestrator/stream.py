@@ -196,6 +196,57 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+def _loader_class() -> Any:
+    """torchdata's StatefulDataLoader, or a UsageError that says how to install it."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        raise UsageError(
+            "an IterableDataset or your own sampler needs torchdata's StatefulDataLoader "
+            f"(its state is the data position in snapshots): {_INSTALL}"
+        ) from None
+    return StatefulDataLoader
+
+
+def _loader(
+    loader_class: Any,
+    dataset: Dataset[Any],
+    batch_size: int,
+    quarantined: set[int],
+    sampler: Any,
+    sample_id: Any,
+    wrap: _WithIds,
+    loader_kwargs: dict[str, Any],
+) -> Any:
+    """The loader of ``dataset``: an IterableDataset's samples by ``sample_id``, a map-style
+    one's indices by ``sampler``; either way skipping the ``quarantined`` ids."""
+    if isinstance(dataset, IterableDataset):
+        if sampler is not None:
+            raise UsageError("guard.dataloader: an IterableDataset takes no sampler")
+        if sample_id is None:
+            raise UsageError(
+                "guard.dataloader(IterableDataset) needs sample_id: the key of each "
+                "sample's integer id (sample_id='id') or a function sample -> id; the "
+                "Guard quarantines and re-runs samples by id"
+            )
+        get = _Key(sample_id) if isinstance(sample_id, (str, int)) else sample_id
+        stream = _Stream(dataset, get, quarantined)
+        with _quiet():
+            return loader_class(
+                stream, batch_size=batch_size, drop_last=True, collate_fn=wrap, **loader_kwargs
+            )
+    if sample_id is not None:
+        raise UsageError(
+            "guard.dataloader: a map-style dataset's sample ids are its indices; "
+            "sample_id is for an IterableDataset"
+        )
+    batches = _SkipQuarantined(sampler, batch_size, quarantined)
+    with _quiet():
+        return loader_class(
+            _Indexed(dataset), batch_sampler=batches, collate_fn=wrap, **loader_kwargs
+        )
+
+
 class StreamSource:
     """The data source of a user pipeline: a StatefulDataLoader the Guard builds."""
 
@@ -212,13 +263,7 @@ class StreamSource:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         **loader_kwargs: Any,
     ) -> None:
-        try:
-            from torchdata.stateful_dataloader import StatefulDataLoader as Loader
-        except ImportError:
-            raise UsageError(
-                "an IterableDataset or your own sampler needs torchdata's StatefulDataLoader "
-                f"(its state is the data position in snapshots): {_INSTALL}"
-            ) from None
+        loader_class = _loader_class()
         if loader_kwargs.get("persistent_workers"):
             raise UsageError(
                 "guard.dataloader(persistent_workers=True) with your own pipeline: the "
@@ -227,34 +272,16 @@ class StreamSource:
         self.rank, self.world_size, self._q = rank, world_size, quarantined
         self.batch_size = batch_size
         self.collate_fn = collate_fn
-        wrap = _WithIds(collate_fn)
-        self.loader: Any
-        if isinstance(dataset, IterableDataset):
-            if sampler is not None:
-                raise UsageError("guard.dataloader: an IterableDataset takes no sampler")
-            if sample_id is None:
-                raise UsageError(
-                    "guard.dataloader(IterableDataset) needs sample_id: the key of each "
-                    "sample's integer id (sample_id='id') or a function sample -> id; the "
-                    "Guard quarantines and re-runs samples by id"
-                )
-            get = _Key(sample_id) if isinstance(sample_id, (str, int)) else sample_id
-            stream = _Stream(dataset, get, quarantined)
-            with _quiet():
-                self.loader = Loader(
-                    stream, batch_size=batch_size, drop_last=True, collate_fn=wrap, **loader_kwargs
-                )
-        else:
-            if sample_id is not None:
-                raise UsageError(
-                    "guard.dataloader: a map-style dataset's sample ids are its indices; "
-                    "sample_id is for an IterableDataset"
-                )
-            batches = _SkipQuarantined(sampler, batch_size, quarantined)
-            with _quiet():
-                self.loader = Loader(
-                    _Indexed(dataset), batch_sampler=batches, collate_fn=wrap, **loader_kwargs
-                )
+        self.loader: Any = _loader(
+            loader_class,
+            dataset,
+            batch_size,
+            quarantined,
+            sampler,
+            sample_id,
+            _WithIds(collate_fn),
+            loader_kwargs,
+        )
         self._it: Iterator[Any] | None = None
         self._fresh = False  # the iterator has yielded nothing yet
         # The step's samples by id, for re-runs: the sample itself (a user collate_fn), or

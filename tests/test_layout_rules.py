@@ -21,19 +21,7 @@ MAX_FUNCTION_LINES = 60
 LONG_MODULES: dict[str, str] = {}
 
 # "path::Qualified.name" -> why it is still over MAX_FUNCTION_LINES.
-LONG_FUNCTIONS = {
-    "orchestrator/recovery.py::Recovery.recover": "not split yet (84 lines: quarantine, pick, "
-    "restore and adjust of one rollback, journaled together)",
-    "orchestrator/store.py::DurableStore.write_part": "edited by the event-protocol work of "
-    "issue 31",
-    "launch/status.py::render": "rewritten torch-free by the event-protocol work of issue 31",
-    "launch/report.py::plot": "rewritten torch-free by the event-protocol work of issue 31",
-    # Not split yet: outside the modules the first pass of issue 31 item 6 split.
-    "orchestrator/faults/injector.py::FaultInjector.__init__": "not split yet (first pass)",
-    "orchestrator/investigate.py::Investigation._verdict": "not split yet (first pass)",
-    "orchestrator/keeper.py::StateKeeper.resume": "not split yet (first pass; hot path)",
-    "orchestrator/stream.py::StreamSource.__init__": "not split yet (first pass)",
-}
+LONG_FUNCTIONS: dict[str, str] = {}
 
 
 def _sources() -> list[Path]:

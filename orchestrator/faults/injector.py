@@ -66,6 +66,57 @@ def fault_key(f: Fault) -> str:
     return f.kind + ":" + ",".join(f"{k}={v}" for k, v in sorted(fields.items()))
 
 
+def _fired(run_dir: str, rank: int) -> set[Any]:
+    """The keys of the faults that already fired on ``rank`` in ``run_dir`` (its journal's
+    ``fault`` events): those do not fire again."""
+    return {
+        e["details"].get("key")
+        for e in read_journal(run_dir)
+        if e.get("kind") == "fault" and e.get("rank") == rank
+    }
+
+
+def _pending(faults: list[Fault], rank: int, attempt: int, fired: set[Any]) -> list[Fault]:
+    """The once-per-run faults not yet ``fired`` that are ``rank``'s to fire: the training
+    faults of this rank (and of this ``attempt`` when they name one), the durable snapshot's
+    on rank 0 (it commits the snapshot), and the persist thread's and health check's of
+    this rank."""
+    once = (
+        NanGradFault,
+        InfLossFault,
+        CrashFault,
+        HangFault,
+        ExitFault,
+        PreemptFault,
+        CorruptShmFault,
+        PerturbParamsFault,
+        LrBlowupFault,
+    )
+    pending: list[Fault] = [
+        f
+        for f in faults
+        if isinstance(f, once)
+        and f.rank == rank
+        and f.attempt in (None, attempt)
+        and fault_key(f) not in fired
+    ]
+    pending += [
+        f
+        for f in faults
+        if isinstance(f, (TruncateSnapshotFault, CorruptManifestFault))
+        and rank == 0
+        and fault_key(f) not in fired
+    ]
+    pending += [
+        f
+        for f in faults
+        if isinstance(f, (KillPersistFault, MissHealthFault))
+        and f.rank == rank
+        and fault_key(f) not in fired
+    ]
+    return pending
+
+
 class InjectedStorageError(OSError):
     """A storage failure injected by the ``storage_error`` fault."""
 
@@ -75,44 +126,8 @@ class FaultInjector:
         self.rank = rank
         self.journal = journal
         self._lock = threading.Lock()
-        fired = {
-            e["details"].get("key")
-            for e in read_journal(run_dir)
-            if e.get("kind") == "fault" and e.get("rank") == rank
-        }
-        once = (
-            NanGradFault,
-            InfLossFault,
-            CrashFault,
-            HangFault,
-            ExitFault,
-            PreemptFault,
-            CorruptShmFault,
-            PerturbParamsFault,
-            LrBlowupFault,
-        )
-        self._pending: list[Fault] = [
-            f
-            for f in faults
-            if isinstance(f, once)
-            and f.rank == rank
-            and f.attempt in (None, journal.attempt)
-            and fault_key(f) not in fired
-        ]
-        self._pending += [
-            f
-            for f in faults
-            if isinstance(f, (TruncateSnapshotFault, CorruptManifestFault))
-            and rank == 0
-            and fault_key(f) not in fired
-        ]
-        self._pending += [
-            f
-            for f in faults
-            if isinstance(f, (KillPersistFault, MissHealthFault))
-            and f.rank == rank
-            and fault_key(f) not in fired
-        ]
+        fired = _fired(run_dir, rank)
+        self._pending = _pending(faults, rank, journal.attempt, fired)
         self._perturbs = any(isinstance(f, PerturbParamsFault) for f in self._pending)
         self._nan_modules = [
             f
