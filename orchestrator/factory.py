@@ -36,7 +36,13 @@ from orchestrator.recovery import Recovery
 from orchestrator.recovery_policy import RecoveryPolicy
 from orchestrator.shm import ShmSlots
 from orchestrator.snapshot import SnapshotRing
-from orchestrator.startup import agree_attempt, check_memory, load_ledger, open_shm, resolve_run_dir
+from orchestrator.startup import (
+    MemoryBudget,
+    agree_attempt,
+    load_ledger,
+    open_shm,
+    resolve_run_dir,
+)
 from orchestrator.stateful import UserState
 from orchestrator.tuning import Intervals, Tuner, ring_min_steps
 
@@ -136,12 +142,13 @@ def build(
     teardown.add(durable.close)
     heartbeat = _heartbeat(p, ctx, hooks)
     teardown.add(heartbeat.close)
+    budget = MemoryBudget(p.snapshot, comm, engine, user, ring, shm)
     keeper = StateKeeper(
         ctx, KeeperPolicy.of(p), engine, ring, durable, cursor=cursor, adjuster=adjuster,
-        heartbeat=heartbeat, shm=shm, user=user,
+        heartbeat=heartbeat, shm=shm, user=user, budget=budget,
     )  # fmt: skip
     check = StepCheck(ctx, p.detect, engine, durable, heartbeat)
-    check_memory(p.snapshot, comm, engine, shm.root if shm else None)
+    budget.check()  # the ring fits this host, the user's objects registered so far included
     metrics = _metrics(p, ctx, hooks)
     health = HealthChecker.for_policy(p.health, p.diagnose, comm, ctx.run_dir)
     if health is not None:

@@ -226,6 +226,7 @@ class Guard(StepInternals):
         self.cursor.check_loader(loader)
         if not self._resumed:
             self._resumed = True
+            self.keeper.check_budget()  # with the objects register_state added since
             step = self.keeper.resume() if self.policy.persist.resume else None
             self.global_step = self.global_step if step is None else step
             self.lifecycle.say_if_done(self.global_step, max_steps)

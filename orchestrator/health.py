@@ -116,16 +116,29 @@ class HealthChecker(HealthChecks, HealthVerdict):
         self._deadline = 0.0  # monotonic: the collectives of the check under way end by then
         self._in_flight: list[Any] = []  # the collective waited for, and its tensors
         self._multi = comm.enabled and comm.world_size > 1
+        # The roll call and the evidence go through the process group's store, not a
+        # collective: a rank that never enters a check, or never reports, is named by the
+        # ones that did, with its host. Keyed by this checker's generation, taken before the
+        # group's first collective (see _generation).
+        self._store = _default_store() if self._multi else None
+        self._prefix = self._generation()
+        self._round = 0
         if self._multi:
             backend = dist.get_backend(comm.group)
             ranks = dist.get_process_group_ranks(comm.group)
             # Its own group: a timed-out collective leaves a group unusable. Its timeout is
             # longer than any wait of a check: the check's own deadline ends a wait first.
+            # Only this group's ranks take part, and a subgroup's name is the hash of its
+            # ranks salted with the number of groups alive: a checker built after an earlier
+            # one closed (destroyed its group) gets the same name, and gloo then reads the
+            # earlier group's addresses from the store (connection refused). A group of the
+            # whole world, where every rank takes part anyway, takes torch's sequential name
+            # instead, never reused in the process.
             self.group = dist.new_group(
                 ranks=ranks,
                 backend=backend,
                 timeout=timedelta(seconds=_GROUP_TIMEOUT_FACTOR * policy.timeout_s),
-                use_local_synchronization=True,  # only this group's ranks take part
+                use_local_synchronization=len(ranks) < dist.get_world_size(),
             )
             if backend == "nccl":
                 self.device = comm._device()  # the model's device (the Guard's), not cuda:0
@@ -134,15 +147,29 @@ class HealthChecker(HealthChecks, HealthVerdict):
             own = comm.device  # the model's (the Guard's), else the current device
             cuda = torch.device("cuda", torch.cuda.current_device())
             self.device = own if own is not None and own.type == "cuda" else cuda
-        # The roll call and the evidence go through the process group's store, not a
-        # collective: a rank that never enters a check, or never reports, is named by the
-        # ones that did, with its host.
-        self._store = _default_store() if self._multi else None
-        self._prefix = "orchestrator/health/" + ",".join(
-            str(r) for r in (dist.get_process_group_ranks(comm.group) if self._multi else [])
-        )
-        self._round = 0
         self._call(f"host/{comm.rank}", self.host)
+
+    def _generation(self) -> str:
+        """This checker's key prefix in the store: the group's ranks and this checker's
+        generation. Another checker on the same group and store (a second Guard in the
+        process after the first closed) counts its rounds from 1 again: without the
+        generation it would read the first one's roll call and evidence as its own.
+
+        Agreed without a collective: every rank adds 1 to a counter under the group's prefix
+        here, before the health group's first collective (:meth:`_connect`), so no rank
+        adds for checker k+1 before every rank added for checker k: checker k reads a value
+        in ((k-1) * world, k * world] on every rank."""
+        prefix = "orchestrator/health/" + ",".join(
+            str(r) for r in (dist.get_process_group_ranks(self.comm.group) if self._multi else [])
+        )
+        if self._store is None:
+            return prefix
+        try:
+            count = int(self._store.add(f"{prefix}/checkers", 1))
+        except Exception:  # no roll call then (as without a store): the checks decide
+            self._store = None
+            return prefix
+        return f"{prefix}/{(count - 1) // self.comm.world_size + 1}"
 
     def _connect(self) -> None:
         """Create the communicator now, while every rank is here and memory is plentiful

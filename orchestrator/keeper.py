@@ -32,6 +32,7 @@ from orchestrator.policy import (
 )
 from orchestrator.shm import ShmSlots
 from orchestrator.snapshot import Snapshot, SnapshotRing
+from orchestrator.startup import MemoryBudget
 from orchestrator.stateful import USER_KEY, UserState, tensors_in
 
 logger = logging.getLogger(__name__)
@@ -67,12 +68,14 @@ class StateKeeper:
         heartbeat: Heartbeat,
         shm: ShmSlots | None = None,
         user: UserState | None = None,
+        budget: MemoryBudget | None = None,
     ) -> None:
         self.policy, self.comm, self.engine, self.ring = policy, ctx.comm, engine, ring
         decide = ctx.decide
         self.user = user if user is not None else UserState()
         self.durable, self.cursor, self.adjuster = durable, cursor, adjuster
         self.heartbeat, self.decide, self.shm = heartbeat, decide, shm
+        self.budget = budget  # the ring's host memory (the Guard's; None in bare tests)
         # Snapshots keep what every rank holds alike once per node, each rank copying its
         # share: nobody may read the whole before every rank has copied. In training the
         # step's all-reduce orders that: it is queued after the fence, so on a GPU no rank's
@@ -188,6 +191,17 @@ class StateKeeper:
             beat=lambda: self.heartbeat.beat(step, phase=phase, force=True),
             together=self._shares_node,
         )
+
+    def check_budget(self) -> None:
+        """Before the first snapshot (at the first ``guard.batches``): the ring's host-memory
+        budget counts the user's objects registered since the Guard was built, and fails
+        as at the start if they do not fit (collective).
+
+        Raises:
+            PolicyError: the ring, their state included, does not fit this host.
+        """
+        if self.budget is not None:
+            self.budget.check(again=True)
 
     def resume(self) -> int | None:
         """Load the newest valid durable snapshot (collective) into the live state (engine,

@@ -149,6 +149,9 @@ class Lifecycle:
         # The Guard's account of an exception that left the loop body (``close_forgotten``).
         self.on_loop_error: Callable[[BaseException], None] | None = None
         self._step: Callable[[], int] = lambda: 0  # the Guard's counter, for close_forgotten
+        # How many faults drills and tests armed (the policy's and $ORCHESTRATOR_FAULTS's),
+        # set by orchestrator.faults.install: run_start says it.
+        self.faults = 0
 
     def say_if_done(self, step: int, max_steps: int) -> None:
         """A run started again after it finished trains nothing: say so, on rank 0."""
@@ -185,7 +188,7 @@ class Lifecycle:
             run_dir=self.run_dir,
             policy_digest=p.digest(),
             quarantined=quarantined,
-            faults=len(p.faults),
+            faults=self.faults,
         )
         if self.health is not None and p.health.preflight:
             with self.closing_on_stop(lambda: 0):

@@ -88,6 +88,8 @@ class ShmSlots(SlotFiles, SlotVerdicts):
         # training, as the private ring makes its arenas (the Guard sets it).
         self.reserve_bytes = 0
         self.reserve_alike = False  # that state is held alike by every rank (DDP): node part
+        # The user's objects' state (orchestrator/stateful.py): each rank's own, in its file.
+        self.reserve_own = 0
         self._unused: set[tuple[int, bool]] = set()  # (slot, node part): made, never written
         self._unused_next: set[tuple[int, bool]] = set()  # being made so
         # slot -> the thread writing its verdict, and the event that cancels it
@@ -208,9 +210,11 @@ class ShmSlots(SlotFiles, SlotVerdicts):
         (the same size on all of them), else this rank's own file. The estimate leaves out
         alignment, Adam's ``step`` tensors, the RNG and the Guard's values: room sized as a
         private slot's arena (on an H200 the bare estimate was short, and the first use of
-        each slot still made a file)."""
+        each slot still made a file). The user's objects' state is each rank's own: room in
+        its own file."""
         room = slot_bytes(self.reserve_bytes) if self.reserve_bytes else 0
-        return (0 if shared and self.reserve_alike else room), (room if self.reserve_alike else 0)
+        own = (0 if shared and self.reserve_alike else self.reserve_bytes) + self.reserve_own
+        return (slot_bytes(own) if own else 0), (room if self.reserve_alike else 0)
 
     def _cut(
         self, tensors: list[torch.Tensor], offsets: list[int]

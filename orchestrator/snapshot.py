@@ -144,6 +144,11 @@ class SnapshotRing:
         self._streams: dict[torch.device, Any] = {}  # side stream per device
         self._alloc, self._on_drop = alloc, on_drop
 
+    def reserve(self, nbytes: int) -> None:
+        """Make every slot at least ``nbytes`` (an estimate, as ``reserve_bytes``) at the
+        first capture: the user's registered objects counted (orchestrator/startup.py)."""
+        self._reserve = slot_bytes(nbytes) if nbytes else 0
+
     # --- capture --------------------------------------------------------------------------
     def capture(
         self,

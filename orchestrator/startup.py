@@ -34,7 +34,8 @@ from orchestrator.protocol import (
 from orchestrator.quarantine import Ledger, held_back
 from orchestrator.rundir import archive_run_dir
 from orchestrator.shm import ShmSlots
-from orchestrator.snapshot import slot_bytes
+from orchestrator.snapshot import SnapshotRing, slot_bytes
+from orchestrator.stateful import UserState
 
 logger = logging.getLogger(__name__)
 
@@ -146,31 +147,69 @@ def open_shm(snap: SnapshotPolicy, comm: Comm, run_dir: str, attempt: int) -> Sh
     )
 
 
+class MemoryBudget:
+    """The snapshot ring's host-memory budget: the engine's state and the tensors of the
+    user's registered objects (:mod:`orchestrator.stateful`, each rank's own), checked by
+    :func:`check_memory`, with the ring's (or the shared-memory slots') reserve sized for
+    both. Checked when the Guard is built, and again at the first ``guard.batches`` when
+    objects were registered since (``guard.register_state``): a big EMA model must not
+    overrun the host silently."""
+
+    def __init__(
+        self,
+        snap: SnapshotPolicy,
+        comm: Comm,
+        engine: Engine,
+        user: UserState,
+        ring: SnapshotRing,
+        shm: ShmSlots | None,
+    ) -> None:
+        self.snap, self.comm, self.engine, self.user = snap, comm, engine, user
+        self.ring, self.shm = ring, shm
+        self.user_bytes = 0  # the user's objects' tensors, as last checked
+        self.need = 0  # bytes the ring needs on this node, as last checked
+
+    def check(self, again: bool = False) -> None:
+        """Size the reserve and check that the ring fits (collective). ``again``: only if
+        some rank's objects changed since the last check (decided alike on every rank).
+
+        Raises:
+            PolicyError: the ring does not fit (see :func:`check_memory`).
+        """
+        user_bytes = self.user.nbytes()
+        if again and not self.comm.all_reduce_max(int(user_bytes != self.user_bytes)):
+            return
+        self.user_bytes = user_bytes
+        engine_bytes = self.engine.estimate_state_bytes()
+        if self.shm is not None:
+            self.shm.reserve_own = user_bytes
+        else:  # one arena per slot holds both
+            self.ring.reserve(engine_bytes + user_bytes)
+        self.need = check_memory(
+            self.snap, self.comm, self.engine, self.shm.root if self.shm else None, user_bytes
+        )
+
+
 def check_memory(
-    snap: SnapshotPolicy, comm: Comm, engine: Engine, shm_root: str | None = None
-) -> None:
+    snap: SnapshotPolicy,
+    comm: Comm,
+    engine: Engine,
+    shm_root: str | None = None,
+    user_bytes: int = 0,
+) -> int:
     """Fail at start, on every rank alike, if the snapshot ring cannot fit on this host
     (in host memory, or, with ``shm_root``, in the shared-memory file system it lives on).
+    ``user_bytes``: the tensors of this rank's registered objects, in every slot too.
+
+    Returns:
+        The bytes the ring needs on this node.
 
     Raises:
         PolicyError: with what the ring needs and what to change.
     """
-    local_ranks = local_world_size()
-    # The size of each slot, exactly: a private arena, or a shared-memory slot's file.
-    per_rank = slot_bytes(engine.estimate_state_bytes())
-    # In shared memory, state every rank holds alike is kept once per node.
-    copies = 1 if shm_root is not None and engine.state_replicated else local_ranks
-    need = per_rank * snap.keep * copies
+    need, detail = _ring_need(snap, engine, shm_root is not None, user_bytes)
     gib = 2**30
     problem = None
-    detail = (
-        f"snapshot.keep={snap.keep} needs {need / gib:.2f} GiB of host memory on this node "
-        + (
-            f"({local_ranks} local rank(s) x {snap.keep} slots x {per_rank / gib:.3f} GiB)"
-            if copies > 1
-            else f"({snap.keep} slots x {per_rank / gib:.3f} GiB, kept once per node)"
-        )
-    )
     remedy = "lower snapshot.keep, or free host memory, or raise snapshot.max_host_memory_gb"
     if snap.max_host_memory_gb is not None and need > snap.max_host_memory_gb * gib:
         problem = f"{detail}, over snapshot.max_host_memory_gb={snap.max_host_memory_gb}"
@@ -194,6 +233,37 @@ def check_memory(
     problems = [p for p in comm.all_gather_object((problem, remedy)) if p[0]]
     if problems:
         raise PolicyError(f"{problems[0][0]}: {problems[0][1]}")
+    return need
+
+
+def _ring_need(
+    snap: SnapshotPolicy, engine: Engine, in_shm: bool, user_bytes: int
+) -> tuple[int, str]:
+    """The bytes the ring needs on this node, and how they add up (for the error)."""
+    local_ranks = local_world_size()
+    # In shared memory, state every rank holds alike is kept once per node; the user's
+    # objects' state is each rank's own.
+    once = in_shm and engine.state_replicated
+    # The size of each slot, exactly: a private arena, or a shared-memory slot's file.
+    per_rank = slot_bytes(engine.estimate_state_bytes() + (0 if once else user_bytes))
+    own = slot_bytes(user_bytes) if once and user_bytes else 0
+    copies = 1 if once else local_ranks
+    need = (per_rank * copies + own * local_ranks) * snap.keep
+    gib = 2**30
+    detail = (
+        f"snapshot.keep={snap.keep} needs {need / gib:.2f} GiB of host memory on this node "
+        + (
+            f"({local_ranks} local rank(s) x {snap.keep} slots x {per_rank / gib:.3f} GiB)"
+            if copies > 1
+            else f"({snap.keep} slots x {per_rank / gib:.3f} GiB, kept once per node)"
+        )
+        + (
+            f", your registered objects' state ({user_bytes / gib:.3f} GiB a rank) included"
+            if user_bytes
+            else ""
+        )
+    )
+    return need, detail
 
 
 def local_world_size() -> int:

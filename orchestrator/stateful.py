@@ -84,6 +84,13 @@ class UserState:
         _check_plain(obj.state_dict(), f"{name}.state_dict()", where)
         self._objects[name] = obj
 
+    def nbytes(self) -> int:
+        """The bytes of the tensors in every object's state (what each snapshot copies of
+        them; the plain values are small): the host-memory budget of the ring counts them
+        with the engine's state. Does not close the registration."""
+        states = [obj.state_dict() for obj in self._objects.values()]
+        return sum(t.numel() * t.element_size() for t in tensors_in(states))
+
     def state(self) -> dict[str, Any] | None:
         """References (not copies) to every object's state, for a snapshot; None when no
         object is registered (the snapshot then has no ``user`` key, as before)."""

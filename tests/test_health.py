@@ -239,3 +239,44 @@ def test_compute_check_runs_at_ieee_fp32_and_restores_the_scripts_setting(
         torch.set_float32_matmul_precision(before["legacy"])
         torch.backends.cuda.matmul.fp32_precision = before["cuda.matmul"]
         torch.backends.mkldnn.matmul.fp32_precision = before["mkldnn.matmul"]
+
+
+@pytest.mark.timeout(60)
+def test_a_second_checker_on_the_same_store_does_not_read_the_first_ones_keys() -> None:
+    """Two checkers in sequence on the same group and store (a second Guard in a process
+    after the first closed), 2 ranks as threads (tests/harness.py). Both ranks ran the first
+    checker's round 1; rank 1 never enters the second's round 1: rank 0 names it absent,
+    instead of reading its roll call and evidence of the first checker as this round's."""
+    import threading
+
+    from harness import run_ranks
+
+    from orchestrator.comm import Comm
+    from orchestrator.health import HealthChecker, HealthReport
+    from orchestrator.policy_ops import HealthPolicy
+
+    policy = HealthPolicy(timeout_s=2.0, bandwidth_mb=0.01, memory_mb=1)
+    checked = threading.Event()  # rank 0's second check is over: rank 1 may close
+
+    def rank_main(rank: int, _: int) -> tuple[HealthReport, HealthReport | None]:
+        comm = Comm()
+        first = HealthChecker(policy, comm, None)
+        report = first.run("first")
+        first.close()
+        second = HealthChecker(policy, comm, None)
+        again = None
+        if rank == 0:
+            again = second.run("second")
+            checked.set()
+        else:
+            assert checked.wait(30)
+        second.close()
+        return report, again
+
+    (first0, second0), (first1, _) = run_ranks(rank_main, 2, timeout_s=45)
+    assert first0.healthy and first1.healthy, first0.to_dict()
+    assert [r["rank"] for r in first0.ranks] == [0, 1]
+    assert second0 is not None
+    assert [r["rank"] for r in second0.ranks] == [0]  # no stale evidence of rank 1
+    assert second0.absent == {1: socket.gethostname()} and second0.silent == {}
+    assert 1 in second0.bad and second0.bad[1][0].startswith("absent")

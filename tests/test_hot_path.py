@@ -93,6 +93,12 @@ def test_a_guard_without_faults_wraps_nothing_and_one_with_faults_wraps(
         assert "open" in vars(guard.cursor)
     finally:
         guard.close()
+    counts = [
+        e["details"]["faults"]
+        for d in ("clean", "drill")
+        for e in events(tmp_path / d, "run_start")
+    ]
+    assert counts == [0, 1]  # run_start says how many faults were armed
 
 
 def test_faults_from_their_own_file_act_as_the_policys(
@@ -117,6 +123,10 @@ def test_faults_from_their_own_file_act_as_the_policys(
             for run in ("policy", "apart")
         ]
         assert runs[0] == runs[1] and len(runs[0]) == 2, kind
+    # run_start counts the faults armed, wherever they came from (the drill's: the file).
+    for run in ("policy", "apart"):
+        (start,) = events(tmp_path / run, "run_start")
+        assert start["details"]["faults"] == 2, run
     path.write_text("- {kind: nan_grad}\n")  # no step: refused, naming the file
     with pytest.raises(PolicyError, match="ORCHESTRATOR_FAULTS"):
         train(tmp_path / "bad", exact, steps=2)

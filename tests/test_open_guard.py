@@ -3,6 +3,7 @@ model, resumed after a restart, bit for bit), and engines registered by name."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -285,3 +286,67 @@ def test_the_policy_is_frozen_and_tuned_intervals_live_apart(tmp_path: Path) -> 
     for tier, initial in (("snapshot", 5), ("persist", 10)):
         said = [c["details"]["new"] for c in changes if c["details"]["tier"] == tier]
         assert getattr(guard.intervals, f"{tier}_steps") == (said[-1] if said else initial)
+
+
+@pytest.mark.timeout(120)
+def test_the_user_s_objects_count_in_the_ring_s_host_memory_budget(tmp_path: Path) -> None:
+    """An EMA of a big model (32 MiB of tensors) registered with the Guard: the ring's
+    host-memory budget counts it with the engine's state, and each slot is made with room
+    for both before training. A budget that fits the engine's state alone but not the EMA
+    with it fails as the engine's state alone does (PolicyError, at the start); an EMA
+    registered after the Guard was built (register_state) fails at the first
+    guard.batches, before any snapshot is taken."""
+    from orchestrator import PolicyError
+    from orchestrator.snapshot import slot_bytes
+
+    ema = EMA(torch.nn.Linear(2048, 4096))
+    user_bytes = sum(t.numel() * t.element_size() for t in ema.shadow.values())
+    assert user_bytes > 32 * 2**20
+
+    def guard(d: str, policy: dict[str, Any], state: dict[str, Any] | None = None) -> Guard:
+        model = torch.nn.Linear(8, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return Guard(parse_policy(policy), model=model, optimizer=opt,
+                     run_dir=str(tmp_path / d), state=state)  # fmt: skip
+
+    def first_batch(g: Guard) -> None:
+        next(iter(g.batches(g.dataloader(Regression(), batch_size=4), max_steps=2)))
+
+    alone, with_ema = guard("alone", {}), guard("ema", {}, {"ema": ema})
+    try:
+        keep = with_ema.policy.snapshot.keep
+        assert (alone.keeper.budget.user_bytes, with_ema.keeper.budget.user_bytes) == (
+            0,
+            user_bytes,
+        )
+        assert with_ema.keeper.budget.need - alone.keeper.budget.need >= keep * user_bytes
+        first_batch(with_ema)  # the slots are made at the first snapshot, for both
+        room = slot_bytes(with_ema.engine.estimate_state_bytes() + user_bytes)
+        assert all(a is not None and a.numel() >= room for a in with_ema.ring._arenas)
+    finally:
+        alone.close(persist=False)
+        with_ema.close(persist=False)
+    # In shared memory: each slot's file (this rank's own: the EMA is) made with room too.
+    shm = {"snapshot": {"shared_memory": True, "shm_dir": str(tmp_path / "shm")}}
+    in_shm = guard("shm", shm, {"ema": ema})
+    try:
+        first_batch(in_shm)
+        assert in_shm.shm is not None and in_shm.keeper.budget.user_bytes == user_bytes
+        room = slot_bytes(in_shm.engine.estimate_state_bytes() + user_bytes)
+        assert all(f is not None and os.path.getsize(f) >= room for f in in_shm.shm._files)
+    finally:
+        in_shm.close(persist=False)
+
+    over = r"snapshot.keep=2 needs .* snapshot.max_host_memory_gb"
+    tight = {"snapshot": {"keep": 2, "max_host_memory_gb": 0.03}}  # 30 MiB: not 2 x 33
+    guard("fits", tight).close(persist=False)  # the engine's state alone: 2 x 1 MiB
+    with pytest.raises(PolicyError, match=over):
+        guard("over", tight, {"ema": ema})
+    late = guard("late", tight)
+    try:
+        late.register_state("ema", ema)
+        with pytest.raises(PolicyError, match=over):
+            first_batch(late)
+        assert late.ring.snapshots() == [] and late.keeper.budget.user_bytes == user_bytes
+    finally:
+        late.close(persist=False)

@@ -39,11 +39,11 @@ __all__ = [
 
 
 def install(guard: Guard) -> FaultInjector:
-    """Inject ``guard.policy.faults`` into ``guard``'s components (after it built them,
-    before its first health check and step)."""
-    injector = FaultInjector(
-        requested(guard.policy), guard.comm.global_rank, guard.run_dir, guard.journal
-    )
+    """Inject the faults :func:`requested` into ``guard``'s components (after it built
+    them, before its first health check and step)."""
+    faults = requested(guard.policy)
+    injector = FaultInjector(faults, guard.comm.global_rank, guard.run_dir, guard.journal)
+    guard.lifecycle.faults = len(faults)  # run_start counts them, wherever they came from
     StepFaults(guard, injector).install()
     wrap_durable(guard.durable, injector)
     if guard.health is not None:
