@@ -142,6 +142,7 @@ class SlowStorageFault(_Fault):
     )
     seconds: float = Field(gt=0, description="Added latency per operation.")
     rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
+    from_step: int = Field(0, ge=0, description="Only for snapshots of this step or later.")
 
 
 class CorruptAllreduceFault(_Fault):

@@ -218,8 +218,9 @@ def test_a_run_dir_that_refuses_writes_pauses_hang_detection(tmp_path: Path) -> 
     hear, resumes once writes work, and journals the pause; the run ends normally."""
     d = tmp_path / "run"
     policy = {**SAME, "supervisor": {**FAST, "hang_timeout_s": 4.0}}
-    slower = ["--d-model", "192", "--layers", "4"]  # training outlasts the frozen window
-    proc = spawn(launch_cmd(d, policy, *torchrun("--steps", "100", *slower)))
+    # Training outlasts the frozen window (100 steps did not, once, on CI).
+    slower, steps = ["--d-model", "192", "--layers", "4"], 160
+    proc = spawn(launch_cmd(d, policy, *torchrun("--steps", str(steps), *slower)))
     frozen = []
     try:
         until("step 10", lambda: step_of(d) >= 10 and committed(d / "snapshots") >= 10, proc)
@@ -246,7 +247,7 @@ def test_a_run_dir_that_refuses_writes_pauses_hang_detection(tmp_path: Path) -> 
     hang_timeout_s = policy["supervisor"]["hang_timeout_s"]
     assert resumed["details"]["seconds"] > hang_timeout_s and resumed["time"] > paused["time"]
     assert {e["rank"] for e in events(d, "heartbeat_failed")} == {0, 1}
-    assert [e["details"]["steps"] for e in events(d, "run_end") if e["rank"] == 0] == [100]
+    assert [e["details"]["steps"] for e in events(d, "run_end") if e["rank"] == 0] == [steps]
 
 
 def _load(path: Path) -> Any:

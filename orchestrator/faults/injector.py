@@ -301,7 +301,7 @@ class FaultInjector:
     def storage(self, op: str, step: int) -> None:
         """Delay ``op`` (slow_storage), or raise an injected storage error for it while the
         fault has some left (storage_error). Called from the writer thread."""
-        self._delay(op)
+        self._delay(op, step)
         with self._lock:
             for i, left in self._storage.items():
                 f = self._storage_faults[i]
@@ -311,10 +311,11 @@ class FaultInjector:
                         f"injected storage error ({op}, {f.times - left + 1} of {f.times})"
                     )
 
-    def _delay(self, op: str) -> None:
-        """``slow_storage``: the storage takes this long for ``op``."""
+    def _delay(self, op: str, step: int) -> None:
+        """``slow_storage``: the storage takes this long for ``op`` on the snapshot of
+        ``step``."""
         for slow in self._slow:
-            if slow.op == op:
+            if slow.op == op and step >= slow.from_step:
                 time.sleep(slow.seconds)
 
     def truncate_due(self, step: int) -> bool:
@@ -336,7 +337,7 @@ class FaultInjector:
         """``kill_persist``: SIGKILL this rank in ``phase`` of the durable write of ``step``
         (the store's hook; called from the writer thread)."""
         if phase == "parts":
-            self._delay("commit")
+            self._delay("commit", step)
         if self._take_first(
             lambda f: isinstance(f, KillPersistFault) and f.phase == phase and step >= f.step,
             step,
