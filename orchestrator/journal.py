@@ -101,8 +101,16 @@ class Journal:
     ) -> dict[str, Any]:
         """Write ``record`` as an event of its kind: its fields are the ``details`` (None
         ones left out with ``skip_none``; a reader takes an absent optional field as None),
-        then ``extra``, evidence the record does not name (never one of its fields)."""
-        return self.write(record.KIND, step, {**details_of(record, skip_none), **extra})
+        then ``extra``, evidence the record does not name (one that names a field would
+        replace the record's value: strict mode raises :class:`EventMisfit`)."""
+        details = details_of(record, skip_none)
+        if self.strict and not extra.keys().isdisjoint(details):
+            raise EventMisfit(
+                f"journal event {record.KIND!r} at step {step}: the extra details "
+                f"{sorted(extra.keys() & details.keys())} are fields of {type(record).__name__}: "
+                "set them in the record"
+            )
+        return self.write(record.KIND, step, {**details, **extra})
 
     def _check(self, kind: str, step: int, details: Any, line: bytes) -> None:
         """Check ``details`` against the kind's record, as a reader will parse them: raise

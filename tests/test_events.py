@@ -238,6 +238,8 @@ def test_a_misfit_write_raises_in_strict_mode(
         j.emit(7, E.Resume(snapshot_step=None))  # type: ignore[arg-type]
     with pytest.raises(EventMisfit, match=r"'warp_drive'.*no record"):
         j.write("warp_drive", 7, {"engaged": True})
+    with pytest.raises(EventMisfit, match=r"'rollback'.*\['from_step'\] are fields of Rollback"):
+        j.emit(7, E.Rollback(to_step=5), from_step=7)
     # What fits as the reader parses it is fine: a tuple is a JSON list, extras are free.
     j.write("persist_prune", 8, {"deleted_steps": (1, 2), "why": "retention"})
     j.close()
