@@ -30,7 +30,7 @@ from typing import Any
 
 from orchestrator.events import DAMAGED, RECORDS, EventLog, Record, parse, typed
 from orchestrator.events import quarantine_share as events_quarantine_share
-from orchestrator.events.base import build, details_of, misfit
+from orchestrator.events.base import details_of, misfit
 from orchestrator.protocol import JOURNAL_DIR, JOURNAL_NAME, METRICS_NAME, node_name, node_path
 
 logger = logging.getLogger(__name__)
@@ -116,20 +116,17 @@ class Journal:
         """Check ``details`` against the kind's record, as a reader will parse them: raise
         :class:`EventMisfit` in strict mode, else log once per kind (the line is written)."""
         cls = RECORDS.get(kind)
-        if cls is not None and isinstance(details, dict) and build(cls, details) is not None:
+        if cls is not None and isinstance(details, dict) and misfit(cls, details) is None:
             return  # the common case: a few microseconds
         if cls is None:
             why = "this kind has no record in orchestrator/events (add one: readers skip it)"
         else:  # as the reader sees it: a tuple is a list, a numpy float a float, ...
             decoded = json.loads(line)["details"]
-            fits = isinstance(decoded, dict) and build(cls, decoded) is not None
-            if fits:
+            wrong = misfit(cls, decoded) if isinstance(decoded, dict) else "not an object"
+            if wrong is None:
                 return
-            why = (
-                f"its details do not fit the record {cls.__name__}: "
-                + ((misfit(cls, decoded) or "") if isinstance(decoded, dict) else "not an object")
-                + f" (given: {details!r:.200})"
-            )
+            why = f"its details do not fit the record {cls.__name__}: {wrong}"
+            why += f" (given: {details!r:.200})"
         message = f"rank {self.rank}: journal event {kind!r} at step {step}: {why}"
         if self.strict:
             raise EventMisfit(f"{message}; fix the writer or the record")

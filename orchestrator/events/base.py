@@ -68,21 +68,24 @@ def build(cls: type[R], details: dict[str, Any]) -> R | None:
 
 def misfit(cls: type[Record], details: dict[str, Any]) -> str | None:
     """Why ``details`` do not fit ``cls`` (the first field that does not: its name, what
-    was there and what the record expects), or None when :func:`build` takes them. For
-    writers that must say what they got wrong (``Journal.write``); same checks as ``build``."""
-    types_of = {f.name: tp for f, tp in fields_of(cls)}
+    was there and what the record expects), or None when :func:`build` takes them: the
+    writers' check (``Journal.write``), same checks as ``build`` without building."""
     for f in _checks(cls):
         if f.name not in details:
             if f.required:
-                return f"field {f.name!r} is missing (expected {type_name(types_of[f.name])})"
+                return f"field {f.name!r} is missing (expected {_expected(cls, f.name)})"
             continue
         value = details[f.name]
         if not f.fits(value):
             return (
                 f"field {f.name!r} is {value!r:.80} ({type(value).__name__}), expected "
-                f"{type_name(types_of[f.name])}"
+                f"{_expected(cls, f.name)}"
             )
     return None
+
+
+def _expected(cls: type[Record], name: str) -> str:
+    return next(type_name(tp) for f, tp in fields_of(cls) if f.name == name)
 
 
 def details_of(record: Record, skip_none: bool = False) -> dict[str, Any]:
