@@ -60,10 +60,10 @@ from launch.procs import describe
 from launch.runner import HANG_GRACE_S, LINGER_S, AttemptRunner
 from launch.services import Services
 from launch.watch import HangWatch
+from orchestrator import events
 from orchestrator.journal import Journal
 from orchestrator.policy import Policy
 from orchestrator.protocol import (
-    EVENT_ATTEMPT_END,
     EVENT_ATTEMPT_START,
     EVENT_RESTART,
     EVENT_SUPERVISOR_EXIT,
@@ -239,23 +239,18 @@ class Supervisor:
 
     def _journal_end(self, a: Attempt, best: int, blameless: str | None) -> None:
         assert self.journal is not None
-        self.journal.write(
-            EVENT_ATTEMPT_END,
-            best,
-            {
-                "returncode": a.returncode,
-                "outcome": a.outcome,
-                "best_step": a.best_step,
-                "stalled": a.stalled,
-                # When this node's ranks last moved (the goodput ledger's end of useful
-                # work for an attempt killed before its metrics were written).
-                "progress_time": self.watch.progress_time(a.number),
-                "ended_at": a.ended_at,
-                "blameless": blameless,
-                "host": self.host,
-                "node": self.node,
-            },
+        end = events.AttemptEnd(
+            outcome=a.outcome,
+            returncode=a.returncode,
+            best_step=a.best_step,
+            ended_at=a.ended_at,
+            # When this node's ranks last moved (the goodput ledger's end of useful work for
+            # an attempt killed before its metrics were written).
+            progress_time=self.watch.progress_time(a.number),
+            node=self.node,
+            host=self.host,
         )
+        self.journal.emit(best, end, stalled=a.stalled, blameless=blameless)
 
     def _restart(self, last: Attempt, r: Restart) -> bool:
         """Journal and say the restart, then wait its backoff; True when a signal came."""

@@ -6,6 +6,13 @@ saw them. Each node appends to a file of its own (its ranks and its supervisor):
 ``write`` on an ``O_APPEND`` descriptor keeps lines from the processes of one host whole,
 which shared file systems do not promise for appends from several hosts. Readers merge the
 nodes' files by time (``read_journal``).
+
+What is written is checked against the kind's record (:mod:`orchestrator.events`), the
+schema the readers parse with: ``Journal.emit`` writes a record, ``Journal.write`` a
+``details`` dict, checked the same way. A kind without a record, or details that do not fit
+it, is a writer's bug: with ``ORCHESTRATOR_STRICT_EVENTS=1`` (the tests set it) the write
+raises :class:`EventMisfit`; otherwise the error is logged once per kind and the line is
+written anyway (an event is never lost, training never stops for bookkeeping).
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from orchestrator.events import DAMAGED, EventLog, parse, typed
+from orchestrator.events import DAMAGED, RECORDS, EventLog, Record, parse, typed
 from orchestrator.events import quarantine_share as events_quarantine_share
+from orchestrator.events.base import details_of, misfit
 from orchestrator.protocol import JOURNAL_DIR, JOURNAL_NAME, METRICS_NAME, node_name, node_path
 
 logger = logging.getLogger(__name__)
@@ -30,6 +38,20 @@ logger = logging.getLogger(__name__)
 # can be again; past this many bytes the oldest are dropped (and counted).
 MAX_PENDING_BYTES = 16 << 20
 EVENT_JOURNAL_FAILED = "journal_failed"  # written once writes work again: what was late
+# Set (to 1) by the tests, inherited by their subprocesses: a write whose details do not fit
+# its kind's record raises instead of being logged (see the module's docstring).
+ENV_STRICT_EVENTS = "ORCHESTRATOR_STRICT_EVENTS"
+_MISFITS_SAID: set[str] = set()  # kinds whose misfit this process logged (once each)
+
+
+class EventMisfit(TypeError):
+    """A journal write whose kind has no record, or whose details do not fit it (a bug in
+    the writer, raised only in strict mode: ``ORCHESTRATOR_STRICT_EVENTS=1``)."""
+
+
+def strict_events() -> bool:
+    """Whether misfit writes raise (``ORCHESTRATOR_STRICT_EVENTS`` set, and not 0)."""
+    return os.environ.get(ENV_STRICT_EVENTS, "") not in ("", "0")
 
 
 class Journal:
@@ -51,10 +73,13 @@ class Journal:
         self._dropped = 0
         self._failed: tuple[float, int, str] | None = None  # since (time, step), the error
         self._torn = False  # a short write left part of a line: start the next on its own
+        self.strict = strict_events()
         with self._lock:
             self._open()
 
     def write(self, kind: str, step: int, details: dict[str, Any]) -> dict[str, Any]:
+        """Append an event of ``kind`` (checked against its record: see the module's
+        docstring); returns it as written."""
         event = {
             "time": time.time(),
             "kind": kind,
@@ -64,11 +89,54 @@ class Journal:
             "details": details,
         }
         line = (json.dumps(event, default=str) + "\n").encode()
+        self._check(kind, step, details, line)
         with self._lock:
             if not self._closed:  # after close (a writer thread that outlived it): dropped
                 self._queue(line)
                 self._drain(_int(step))
         return event
+
+    def emit(
+        self, step: int, record: Record, *, skip_none: bool = False, **extra: Any
+    ) -> dict[str, Any]:
+        """Write ``record`` as an event of its kind: its fields are the ``details`` (None
+        ones left out with ``skip_none``; a reader takes an absent optional field as None),
+        then ``extra``, evidence the record does not name (one that names a field would
+        replace the record's value: strict mode raises :class:`EventMisfit`)."""
+        details = details_of(record, skip_none)
+        if self.strict and not extra.keys().isdisjoint(details):
+            raise EventMisfit(
+                f"journal event {record.KIND!r} at step {step}: the extra details "
+                f"{sorted(extra.keys() & details.keys())} are fields of {type(record).__name__}: "
+                "set them in the record"
+            )
+        return self.write(record.KIND, step, {**details, **extra})
+
+    def _check(self, kind: str, step: int, details: Any, line: bytes) -> None:
+        """Check ``details`` against the kind's record, as a reader will parse them: raise
+        :class:`EventMisfit` in strict mode, else log once per kind (the line is written)."""
+        cls = RECORDS.get(kind)
+        if cls is not None and isinstance(details, dict) and misfit(cls, details) is None:
+            return  # the common case: a few microseconds
+        if cls is None:
+            why = "this kind has no record in orchestrator/events (add one: readers skip it)"
+        else:  # as the reader sees it: a tuple is a list, a numpy float a float, ...
+            decoded = json.loads(line)["details"]
+            wrong = misfit(cls, decoded) if isinstance(decoded, dict) else "not an object"
+            if wrong is None:
+                return
+            why = f"its details do not fit the record {cls.__name__}: {wrong}"
+            why += f" (given: {details!r:.200})"
+        message = f"rank {self.rank}: journal event {kind!r} at step {step}: {why}"
+        if self.strict:
+            raise EventMisfit(f"{message}; fix the writer or the record")
+        if kind not in _MISFITS_SAID:
+            _MISFITS_SAID.add(kind)
+            logger.error(
+                "%s; written anyway (readers skip it as %s); a bug: please report it",
+                message,
+                "unknown" if cls is None else "damaged",
+            )
 
     def close(self) -> None:
         with self._lock:
@@ -249,6 +317,11 @@ class Decisions:
     def __call__(self, kind: str, step: int, **details: Any) -> None:
         if self.writer:
             self.journal.write(kind, step, details)
+
+    def emit(self, step: int, record: Record, *, skip_none: bool = False, **extra: Any) -> None:
+        """:meth:`Journal.emit`, by the writer only."""
+        if self.writer:
+            self.journal.emit(step, record, skip_none=skip_none, **extra)
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
+from orchestrator import events
 from orchestrator.comm import (
     end_process_groups,
     ending_on_error,
@@ -39,9 +40,7 @@ from orchestrator.metrics import Metrics
 from orchestrator.policy import Policy
 from orchestrator.protocol import (
     ENV_SHM_DIR,
-    EVENT_PREEMPTED,
     EVENT_PREEMPTING,
-    EVENT_RUN_END,
     POLICY_NAME,
 )
 from orchestrator.recovery import Recovery
@@ -252,8 +251,13 @@ class Lifecycle:
             url = self.durable.store.url
             newest = None if written else self._newest_durable(step)
             lost = None if written else step - (newest if newest is not None else 0)
-            self.decide(EVENT_PREEMPTED, step, persisted=written, url=url,
-                        durable_step=step if written else newest, steps_lost=lost or 0)  # fmt: skip
+            record = events.Preempted(
+                persisted=written,
+                url=url,
+                durable_step=step if written else newest,
+                steps_lost=lost or 0,
+            )
+            self.decide.emit(step, record)
             if not written:
                 logger.error(
                     "PREEMPTED WITHOUT A DURABLE SNAPSHOT at step %d: the write to %s failed "
@@ -315,12 +319,12 @@ class Lifecycle:
                 # its last step.
                 self.keeper.persist_now(step, self.recovery.rollbacks, "closing")
         self._stop(step, on_exit)
-        summary: dict[str, Any] = {
+        extra: dict[str, Any] = {
             "attempt_incidents": len(self.recovery.incidents),
             "attempt_rollbacks": self.recovery.rollbacks,
         }
         if self.metrics.unwritten:  # the disk stayed full to the end: say what is missing
-            summary["metrics_unwritten"] = self.metrics.unwritten
+            extra["metrics_unwritten"] = self.metrics.unwritten
             logger.error(
                 "rank %d: %d metrics rows could not be written to %s (its disk refused "
                 "writes until the end); the journal and snapshots are unaffected",
@@ -328,22 +332,24 @@ class Lifecycle:
                 self.metrics.unwritten,
                 self.metrics.path,
             )
+        incidents: int | None = None  # None: not written (skip_none)
+        rollbacks: int | None = None
+        seen: int | None = None
         if self.comm.rank == 0:  # the run's, earlier attempts' included (rank 0 journals them)
             kinds = [e["kind"] for e in read_journal(self.run_dir)]
-            summary.update(incidents=kinds.count("incident"), rollbacks=kinds.count("rollback"))
+            incidents, rollbacks = kinds.count("incident"), kinds.count("rollback")
         if self.cursor.source is not None:
             seen = self.cursor.samples_seen()
-            summary.update(
-                samples_seen=seen, quarantined_fraction=len(self.cursor.quarantined) / seen
-            )
-        self.decide(
-            EVENT_RUN_END,
-            step,
+            extra["quarantined_fraction"] = len(self.cursor.quarantined) / seen
+        end = events.RunEnd(
             status=status or ("finished" if finished else "stopped"),
             steps=step,
             quarantined=sorted(self.cursor.quarantined),
-            **summary,
+            samples_seen=seen,
+            incidents=incidents,
+            rollbacks=rollbacks,
         )
+        self.decide.emit(step, end, skip_none=True, **extra)
         self.journal.close()
         # Last: a launcher's SIGTERM during close (it tears the job down when a peer
         # died) is noted, not fatal, until the run's end is journaled.

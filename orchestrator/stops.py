@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from orchestrator import events
 from orchestrator.comm import Comm
 from orchestrator.cursor import DataCursor
 from orchestrator.errors import GaveUp, Unhealthy
@@ -15,7 +16,7 @@ from orchestrator.health import HealthChecker
 from orchestrator.incident import Incident
 from orchestrator.journal import Decisions, Journal
 from orchestrator.logs import RankLogger
-from orchestrator.protocol import EVENT_GAVE_UP, EVENT_UNHEALTHY
+from orchestrator.protocol import EVENT_UNHEALTHY
 from orchestrator.quarantine import Ledger
 from orchestrator.recovery_policy import RecoveryPolicy
 
@@ -114,15 +115,14 @@ class Stops:
             ledger=self.ledger.url,
         )
 
-    def _give_up(self, step: int, why: str, **evidence: Any) -> None:
-        self.decide(
-            EVENT_GAVE_UP,
+    def _give_up(self, step: int, why: str, ledger: str | None = None, **evidence: Any) -> None:
+        self.decide.emit(
             step,
+            events.GaveUp(why=why, ledger=ledger, rollbacks=self.rollbacks),
+            skip_none=True,  # reason and line are the unreadable ledger's (startup.py)
             **evidence,
-            why=why,
             incidents=[i.to_dict() for i in self.incidents],
             quarantined=sorted(self.cursor.quarantined),
-            rollbacks=self.rollbacks,
         )
         if self.comm.rank == 0:
             self.log.error(

@@ -16,10 +16,13 @@ import pytest
 import torch
 import yaml
 
-from orchestrator.journal import load_journal
+from orchestrator.journal import ENV_STRICT_EVENTS, load_journal
 from orchestrator.protocol import LEDGER_NAME
 
 REPO = Path(__file__).resolve().parents[1]
+# A journal write that does not fit its kind's record raises (a writer's bug), in this
+# process and in every subprocess (torchrun workers, supervisors) the tests start.
+os.environ.setdefault(ENV_STRICT_EVENTS, "1")
 EXAMPLE = REPO / "examples" / "train_gpt.py"
 DS_EXAMPLE = REPO / "examples" / "train_gpt_deepspeed.py"
 

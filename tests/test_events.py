@@ -5,6 +5,7 @@ wrong-typed fields) and counts it, never a traceback. In-process, milliseconds."
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,18 @@ from launch.exporter import RunFollower, _newest_snapshots
 from launch.report import load, markdown, timeline, totals
 from launch.status import render
 from orchestrator import events as E
+from orchestrator import journal as journal_module
 from orchestrator.audit import expected_snapshots
 from orchestrator.goodput import ledger
-from orchestrator.journal import Journal, load_journal, quarantine_share, read_events
+from orchestrator.journal import (
+    ENV_STRICT_EVENTS,
+    Decisions,
+    EventMisfit,
+    Journal,
+    load_journal,
+    quarantine_share,
+    read_events,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -208,6 +218,83 @@ def test_the_journal_writes_what_the_protocol_reads(tmp_path: Path) -> None:
     rb, snap = log.events
     assert isinstance(rb.record, E.Rollback) and rb.record.to_step == 7 and rb.attempt == 3
     assert isinstance(snap.record, E.SnapshotTaken) and snap.record.tier == "shm"
+
+
+def test_a_misfit_write_raises_in_strict_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the tests (``ORCHESTRATOR_STRICT_EVENTS=1``) a write whose kind has no record,
+    or whose details do not fit it, is a writer's bug: it raises, naming the kind, the
+    field and what the record expects, and nothing is written."""
+    monkeypatch.setenv(ENV_STRICT_EVENTS, "1")
+    j = Journal(str(tmp_path), rank=0, attempt=0)
+    with pytest.raises(EventMisfit, match=r"'rollback'.*'to_step' is missing \(expected int\)"):
+        j.write("rollback", 7, {"from_step": 9})
+    with pytest.raises(
+        TypeError, match=r"'snapshot'.*'stall_ms' is 'slow' \(str\), expected float"
+    ):
+        j.write("snapshot", 7, {"stall_ms": "slow"})
+    with pytest.raises(EventMisfit, match=r"'resume'.*'snapshot_step' is None .*expected int"):
+        j.emit(7, E.Resume(snapshot_step=None))  # type: ignore[arg-type]
+    with pytest.raises(EventMisfit, match=r"'warp_drive'.*no record"):
+        j.write("warp_drive", 7, {"engaged": True})
+    with pytest.raises(EventMisfit, match=r"'rollback'.*\['from_step'\] are fields of Rollback"):
+        j.emit(7, E.Rollback(to_step=5), from_step=7)
+    # What fits as the reader parses it is fine: a tuple is a JSON list, extras are free.
+    j.write("persist_prune", 8, {"deleted_steps": (1, 2), "why": "retention"})
+    j.close()
+    log = read_events(str(tmp_path))
+    assert log.skipped == 0 and [(e.kind, e.details) for e in log.events] == [
+        ("persist_prune", {"deleted_steps": [1, 2], "why": "retention"})
+    ]
+
+
+def test_a_misfit_write_is_logged_once_and_written_in_production(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Outside the tests a misfit never loses the event nor stops training: the line is
+    written (readers skip it as damaged or unknown, with a count) and the error is logged
+    once per kind."""
+    monkeypatch.delenv(ENV_STRICT_EVENTS, raising=False)
+    monkeypatch.setattr(journal_module, "_MISFITS_SAID", set())
+    j = Journal(str(tmp_path), rank=0, attempt=0)
+    with caplog.at_level(logging.ERROR, logger="orchestrator.journal"):
+        j.write("rollback", 7, {"from_step": 9})
+        j.write("rollback", 8, {"from_step": 10})
+        j.write("warp_drive", 9, {"engaged": True})
+        j.write("rollback", 9, {"from_step": 10, "to_step": 7})
+    j.close()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(said) == 2 and "'rollback'" in said[0] and "'warp_drive'" in said[1]
+    lines = [json.loads(line) for line in Path(j.path).read_text().splitlines()]
+    assert [(e["kind"], e["step"]) for e in lines] == [
+        ("rollback", 7), ("rollback", 8), ("warp_drive", 9), ("rollback", 9)
+    ]  # fmt: skip
+    log = read_events(str(tmp_path))
+    assert (len(log.damaged), log.unknown, len(log.events)) == (2, {"warp_drive": 1}, 1)
+
+
+def test_a_record_is_written_as_its_fields(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The typed path: ``emit`` writes a record's fields as ``details`` (None ones left out
+    with ``skip_none``), then the extras; ``Decisions.emit`` only on the writer."""
+    monkeypatch.setenv(ENV_STRICT_EVENTS, "1")
+    j = Journal(str(tmp_path), rank=0, attempt=1)
+    pre = E.Preempted(persisted=False, url="U", durable_step=None, steps_lost=5)
+    j.emit(15, pre)
+    Decisions(j, writer=True).emit(
+        15,
+        E.RunEnd(status="stopped", steps=15, quarantined=[3]),
+        skip_none=True,
+        attempt_rollbacks=0,
+    )
+    Decisions(j, writer=False).emit(15, E.GaveUp(why="not the writer"))
+    j.close()
+    log = read_events(str(tmp_path))
+    assert [e.details for e in log.events] == [
+        {"persisted": False, "url": "U", "durable_step": None, "steps_lost": 5},
+        {"status": "stopped", "steps": 15, "quarantined": [3], "attempt_rollbacks": 0},
+    ]
+    assert log.events[0].record == pre and log.events[1].record.samples_seen is None
 
 
 def test_docs_list_every_record() -> None:

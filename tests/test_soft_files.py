@@ -39,7 +39,13 @@ from launch.procs import proc_state
 from launch.progress import Stalls
 from orchestrator.errors import EXIT_GAVE_UP, EXIT_STOPPED, LedgerError
 from orchestrator.heartbeat import Heartbeat, read_heartbeats
-from orchestrator.journal import EVENT_JOURNAL_FAILED, Journal, load_journal, read_metrics
+from orchestrator.journal import (
+    ENV_STRICT_EVENTS,
+    EVENT_JOURNAL_FAILED,
+    Journal,
+    load_journal,
+    read_metrics,
+)
 from orchestrator.metrics import Metrics
 from orchestrator.policy_sections import MetricsPolicy
 from orchestrator.protocol import LEDGER_NAME, clock_id
@@ -126,11 +132,14 @@ def snapshot_bytes(run_dir: Path) -> int:
 
 
 # --- the run directory's own files --------------------------------------------------------------
-def test_journal_metrics_and_heartbeat_go_on_when_the_disk_is_full(tmpfs: Any) -> None:
+def test_journal_metrics_and_heartbeat_go_on_when_the_disk_is_full(
+    tmpfs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """On a full tmpfs none of them raises; the heartbeat is still written (in place), the
     journal's events and the metrics rows wait in memory and land, each once and in
     order, when space comes back; the first failure of each is said (journal_failed,
     the metrics' on_error)."""
+    monkeypatch.setenv(ENV_STRICT_EVENTS, "0")  # kinds of its own: the file, not the protocol
     run_dir = tmpfs("rd", 1 << 20) / "run"
     journal = Journal(str(run_dir), rank=0, attempt=0)
     said: list[OSError] = []

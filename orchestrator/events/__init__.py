@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import json
 import math
-import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic
 
-from orchestrator.events.base import RECORDS, R, Record, build, fields_of, is_a, required
+from orchestrator.events.base import RECORDS, R, Record, build, fields_of, is_a, required, type_name
 from orchestrator.events.files import *  # noqa: F403 (the records: one name per kind)
 from orchestrator.events.ranks import *  # noqa: F403
 from orchestrator.events.ranks import Quarantine, RunEnd
@@ -138,16 +137,9 @@ def table() -> str:
     for kind, cls in sorted(RECORDS.items(), key=lambda kv: order.index(kv[1].__module__)):
         said = []
         for f, tp in fields_of(cls):
-            said.append(f"`{f.name}`" + ("" if required(f) else "?") + f": {_type_name(tp)}")
+            said.append(f"`{f.name}`" + ("" if required(f) else "?") + f": {type_name(tp)}")
         rows.append(f"| `{kind}` | {cls.WHO} | {', '.join(said) or '-'} |")
     return "\n".join(rows)
-
-
-def _type_name(tp: Any) -> str:
-    """``int | None`` as "int or null" (a markdown table cell holds no ``|``)."""
-    name = getattr(tp, "__name__", None) if typing.get_origin(tp) is None else None
-    text = (name or str(tp)).replace("typing.", "").replace("NoneType", "None")
-    return text.replace(" | ", " or ").replace("None", "null").replace("Any", "any")
 
 
 def first_each_attempt(events: Iterable[Event[Any]], cls: type[R]) -> list[Event[R]]:

@@ -66,6 +66,43 @@ def build(cls: type[R], details: dict[str, Any]) -> R | None:
     return cls(**values)
 
 
+def misfit(cls: type[Record], details: dict[str, Any]) -> str | None:
+    """Why ``details`` do not fit ``cls`` (the first field that does not: its name, what
+    was there and what the record expects), or None when :func:`build` takes them: the
+    writers' check (``Journal.write``), same checks as ``build`` without building."""
+    for f in _checks(cls):
+        if f.name not in details:
+            if f.required:
+                return f"field {f.name!r} is missing (expected {_expected(cls, f.name)})"
+            continue
+        value = details[f.name]
+        if not f.fits(value):
+            return (
+                f"field {f.name!r} is {value!r:.80} ({type(value).__name__}), expected "
+                f"{_expected(cls, f.name)}"
+            )
+    return None
+
+
+def _expected(cls: type[Record], name: str) -> str:
+    return next(type_name(tp) for f, tp in fields_of(cls) if f.name == name)
+
+
+def details_of(record: Record, skip_none: bool = False) -> dict[str, Any]:
+    """A record's fields as an event's ``details`` (field order), the shape :func:`build`
+    reads back; ``skip_none``: leave out the fields that are None (a reader takes an absent
+    optional field as None too) rather than write them as null."""
+    out = {f.name: getattr(record, f.name) for f, _ in fields_of(type(record))}
+    return {k: v for k, v in out.items() if v is not None} if skip_none else out
+
+
+def type_name(tp: Any) -> str:
+    """``int | None`` as "int or null" (a markdown table cell holds no ``|``)."""
+    name = getattr(tp, "__name__", None) if typing.get_origin(tp) is None else None
+    text = (name or str(tp)).replace("typing.", "").replace("NoneType", "None")
+    return text.replace(" | ", " or ").replace("None", "null").replace("Any", "any")
+
+
 _FIELDS: dict[type[Record], list[tuple[dataclasses.Field[Any], Any]]] = {}
 _CHECKS: dict[type[Record], list[FieldCheck]] = {}
 
