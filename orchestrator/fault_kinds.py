@@ -145,6 +145,16 @@ class SlowStorageFault(_Fault):
     from_step: int = Field(0, ge=0, description="Only for snapshots of this step or later.")
 
 
+class SlowStepsFault(_Fault):
+    """Every step on a rank takes longer (a throttled host, a slow GPU). Also how a test
+    paces a tiny model's training, so that what it does mid-run (a network cut, a host
+    killed) happens mid-run however late a loaded machine lets it look."""
+
+    kind: Literal["slow_steps"]
+    seconds: float = Field(gt=0, description="Added to every step, before it is judged.")
+    rank: int | None = Field(None, ge=0, description="Only on this rank (null: every rank).")
+
+
 class CorruptAllreduceFault(_Fault):
     kind: Literal["corrupt_allreduce"]
     rank: int = Field(ge=0, description="This rank's contributions to health checks are wrong.")
@@ -242,6 +252,7 @@ Fault = Annotated[
     | BrokenGradsFault
     | StorageErrorFault
     | SlowStorageFault
+    | SlowStepsFault
     | TruncateSnapshotFault
     | CorruptAllreduceFault
     | SlowRankFault

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from orchestrator.errors import PolicyError
-from orchestrator.fault_kinds import Fault
+from orchestrator.fault_kinds import Fault, SlowStepsFault
 from orchestrator.faults.injector import FaultInjector, InjectedStorageError, fault_key
 from orchestrator.faults.parts import corrupt_slot, wrap_durable, wrap_health
 from orchestrator.faults.step import StepFaults
@@ -44,7 +44,11 @@ def install(guard: Guard) -> FaultInjector:
     faults = requested(guard.policy)
     injector = FaultInjector(faults, guard.comm.global_rank, guard.run_dir, guard.journal)
     guard.lifecycle.faults = len(faults)  # run_start counts them, wherever they came from
-    StepFaults(guard, injector).install()
+    rank = guard.comm.global_rank
+    pace = sum(
+        f.seconds for f in faults if isinstance(f, SlowStepsFault) and f.rank in (None, rank)
+    )
+    StepFaults(guard, injector, pace).install()
     wrap_durable(guard.durable, injector)
     if guard.health is not None:
         wrap_health(guard.health, injector)

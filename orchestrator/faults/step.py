@@ -9,6 +9,7 @@ same journal events. A Guard whose policy has no faults holds none of this.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,8 +26,9 @@ class StepFaults:
     """The faults of ``guard``'s step, injected by ``injector``: call :meth:`install` once,
     after the Guard built its components and before its first step."""
 
-    def __init__(self, guard: Guard, injector: FaultInjector) -> None:
+    def __init__(self, guard: Guard, injector: FaultInjector, pace: float = 0.0) -> None:
         self.guard, self.injector = guard, injector
+        self.pace = pace  # slow_steps: seconds added to each step on this rank
         self.later = False  # a NaN gradient waiting for a local gradient to land in
         self.factor = 1.0  # lr_blowup's factor on the step being judged
         g, e = guard, guard.engine
@@ -92,10 +94,13 @@ class StepFaults:
             self.later = True
 
     def judge(self, lr_multiplier: float) -> list[torch.Tensor]:
-        """Before the step is judged: the process faults (``crash``, ``exit``, ``preempt``,
-        ``hang``), ``corrupt_shm``, and ``lr_blowup``'s factor on this step's LR."""
+        """Before the step is judged: ``slow_steps``, the process faults (``crash``,
+        ``exit``, ``preempt``, ``hang``), ``corrupt_shm``, and ``lr_blowup``'s factor on
+        this step's LR."""
         g, inj = self.guard, self.injector
         step = g.global_step
+        if self.pace:
+            time.sleep(self.pace)
         inj.process_faults(step, g.durable.settle)
         if g.shm is not None and inj.corrupt_shm_due(step):
             corrupt_slot(g.shm, g.ring.newest(lambda s: s.sealed))
