@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from orchestrator.engines.base import Engine, StepOrder
+from orchestrator.engines.framework import FrameworkEngine
 from orchestrator.engines.fsdp import FSDP1Engine, FSDP2Engine, is_fsdp2
 from orchestrator.engines.registry import (
     EngineArgs,
@@ -27,6 +28,7 @@ __all__ = [
     "Engine",
     "EngineArgs",
     "FSDP1Engine",
+    "FrameworkEngine",
     "FSDP2Engine",
     "StepOrder",
     "TorchEngine",
@@ -55,6 +57,13 @@ def engine_for(
             f"Guard(grad_accum_steps={grad_accum_steps}): micro-batches per optimizer step "
             "must be 1 or more (1, or None: no accumulation)"
         )
+    if isinstance(engine, Engine):  # built by the caller (an integration, a user's own)
+        if any(x is not None for x in (model, optimizer, scheduler, scaler, grad_accum_steps)):
+            raise UsageError(
+                f"Guard(engine={type(engine).__name__}(...)) takes the engine alone: it holds "
+                "the model, optimizer, scheduler, scaler and accumulation steps already"
+            )
+        return engine
     name = engine if isinstance(engine, str) else None
     framework = None if name is not None else engine
     args = EngineArgs(model, optimizer, scheduler, scaler, framework, grad_accum_steps)

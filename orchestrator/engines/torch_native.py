@@ -31,6 +31,8 @@ class TorchEngine(Engine):
         optimizer: torch.optim.Optimizer,
         scheduler: Any = None,
         scaler: torch.amp.GradScaler | None = None,
+        *,
+        refuse_foreign: bool = True,
     ) -> None:
         self.model = model
         # State is taken from the unwrapped module, so keys carry no DDP "module." prefix and
@@ -43,7 +45,9 @@ class TorchEngine(Engine):
         # The Guard steps the optimizer; a step it did not make would double every update,
         # or leave the check judging zeroed gradients. Refused loudly (released at close).
         self._applying = False
-        self._foreign = optimizer.register_step_pre_hook(self._refuse_foreign_step)
+        self._foreign = (
+            optimizer.register_step_pre_hook(self._refuse_foreign_step) if refuse_foreign else None
+        )
         if scheduler is None and hasattr(optimizer.step, "_wrapped_by_lr_sched"):
             warnings.warn(
                 "an LR scheduler is attached to this optimizer but was not passed to the Guard: "
@@ -59,7 +63,12 @@ class TorchEngine(Engine):
         ``grad_accum_steps`` micro-batches per optimizer step."""
         if args.model is None or args.optimizer is None:
             raise UsageError("Guard needs model= and optimizer= (or engine= for DeepSpeed)")
-        adapter = cls(args.model, args.optimizer, args.scheduler, args.scaler)
+        from orchestrator.engines.framework import unwrap_optimizer, unwrap_scheduler
+
+        # A framework's wrapped optimizer (Accelerate's, Lightning's) holds the torch one; the
+        # Guard steps that, and the wrapper's own step is refused with the rest.
+        optimizer, scheduler = unwrap_optimizer(args.optimizer), unwrap_scheduler(args.scheduler)
+        adapter = cls(args.model, optimizer, scheduler, args.scaler)
         adapter.micro_steps_per_step = args.grad_accum_steps or 1
         return adapter
 
@@ -72,7 +81,8 @@ class TorchEngine(Engine):
             )
 
     def release(self) -> None:
-        self._foreign.remove()
+        if self._foreign is not None:
+            self._foreign.remove()
 
     @property
     def has_loss_scaler(self) -> bool:
@@ -118,6 +128,14 @@ class TorchEngine(Engine):
         self._unscaled = True
 
     def _apply(self, lr_multiplier: float, overflow: bool | None = None) -> None:
+        self._optimizer_step(lr_multiplier, overflow)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _optimizer_step(self, lr_multiplier: float, overflow: bool | None) -> None:
+        """The optimizer's step (through the scaler, if any) with the LR times
+        ``lr_multiplier`` for this step only."""
         groups = self.optimizer.param_groups
         saved = [g["lr"] for g in groups]
         if lr_multiplier != 1.0:
@@ -137,9 +155,6 @@ class TorchEngine(Engine):
             for g, lr in zip(groups, saved, strict=True):
                 g["lr"] = lr
         self._unscaled = False
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
 
     def _scaler_step(self, overflow: bool) -> None:
         """The GradScaler's step and update, gated by the check's all-reduced verdict.
