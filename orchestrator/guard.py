@@ -184,6 +184,18 @@ class Guard(StepInternals):
         return self._checked.grad_norm if self._checked is not None else None
 
     @property
+    def micro(self) -> int:
+        """The current micro-batch's index in its optimizer step (0-based; always 0 without
+        gradient accumulation). A rollback sets it back to 0."""
+        return self._micro
+
+    @property
+    def last_micro(self) -> bool:
+        """The current micro-batch is the last of its optimizer step: the one whose backward
+        communicates and whose ``guard.step`` may commit (where a loop clips by hand)."""
+        return self._micro + 1 >= self.engine.micro_steps_per_step
+
+    @property
     def quarantined(self) -> frozenset[int]:
         """Sample ids (dataset indices) quarantined so far, the ledger's included."""
         return self.cursor.quarantined
