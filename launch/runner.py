@@ -31,9 +31,6 @@ from orchestrator.protocol import (
 
 logger = logging.getLogger(__name__)
 HANG_GRACE_S = 5.0  # after SIGTERM, what a hung attempt gets before SIGKILL
-# How long a launcher may outlive its finished ranks (torchrun's exit barrier waits for the
-# other nodes' launchers: seconds when they finish together, 300 s for one that never comes).
-LINGER_S = 30.0
 
 
 def _say(msg: str) -> None:
@@ -166,16 +163,16 @@ class AttemptRunner:
     def _lingering(
         self, proc: subprocess.Popen[bytes], attempt: int, beats: list[dict[str, Any]]
     ) -> bool:
-        """Whether the launcher outlived its finished ranks for LINGER_S, and was ended. The
-        job is finished (a ``run_end`` says so) but torchrun's exit barrier waits for every
-        node's launcher of its rendezvous round, up to 300 s: one that restarted into
-        another round (a replaced node) never arrives there."""
+        """Whether the launcher outlived its finished ranks for ``supervisor.linger_s``, and
+        was ended. The job is finished (a ``run_end`` says so) but torchrun's exit barrier
+        waits for every node's launcher of its rendezvous round, up to 300 s: one that
+        restarted into another round (a replaced node) never arrives there."""
         assert self.journal is not None
         if not beats or any(b.get("phase") != "done" for b in beats):
             self._done_since = None
             return False
         now = time.monotonic()
-        if self._done_since is None or now - self._done_since < LINGER_S:
+        if self._done_since is None or now - self._done_since < self.sup.linger_s:
             self._done_since = self._done_since or now
             return False
         if classify(self.run_dir, -1, attempt) != OK:  # not finished: look again later
@@ -192,5 +189,8 @@ class AttemptRunner:
         )
         self.launcher.kill(signal.SIGTERM)
         self.launcher.kill(signal.SIGCONT)  # a stopped launcher takes SIGTERM once continued
-        self.launcher.wait_or_kill(self.sup.grace_s)
+        # Its ranks are done, so nothing is left to save; and a launcher blocked in the
+        # barrier's store wait runs no Python signal handler until that returns: grace_s
+        # (the ranks' time to write a snapshot) would only delay the end by as much.
+        self.launcher.wait_or_kill(min(self.sup.grace_s, HANG_GRACE_S))
         return True

@@ -57,7 +57,7 @@ from launch.outcomes import (
     preemption,
 )
 from launch.procs import describe
-from launch.runner import HANG_GRACE_S, LINGER_S, AttemptRunner
+from launch.runner import HANG_GRACE_S, AttemptRunner
 from launch.services import Services
 from launch.watch import HangWatch
 from orchestrator import events
@@ -79,7 +79,7 @@ from orchestrator.protocol import (
 )
 from orchestrator.rundir import write_policy
 
-__all__ = ["HANG_GRACE_S", "LINGER_S", "Supervisor"]
+__all__ = ["HANG_GRACE_S", "Supervisor"]
 
 logger = logging.getLogger(__name__)
 # How long the exit code of a preemption waits for the preempted event that says whether

@@ -123,6 +123,13 @@ class SupervisorPolicy(_Section):
         "is gone (or never started), or for a rendezvous endpoint that does not answer, "
         "before the job ends with exit 77.",
     )
+    linger_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long a node's launcher may outlive its finished ranks before the "
+        "supervisor ends it (torchrun's exit barrier waits up to 300 s for a peer launcher "
+        "that may never come, e.g. a replaced node's, in another rendezvous round).",
+    )
 
 
 class ExportPolicy(_Section):

@@ -273,10 +273,11 @@ def test_a_finished_nodes_launcher_never_waits_for_a_peer_that_does_not_come(
     node 1's launcher had reached the barrier: then node 0's is let through and ends on its
     own (CI saw it once, polling late under load; 60 steps make it rare)."""
     from launch.procs import descendants
-    from launch.supervisor import LINGER_S
 
     d = tmp_path / "run"
-    procs = start_nodes(d, BASE, "--steps", "60")
+    linger_s = 5.0  # supervisor.linger_s; 30 s by default
+    policy = {**BASE, "supervisor": {**FAST, "linger_s": linger_s}}
+    procs = start_nodes(d, policy, "--steps", "60")
     deadline = time.monotonic() + 120
     while not any(b["step"] >= 5 for b in read_heartbeats(str(d))):  # bounded poll
         assert time.monotonic() < deadline, "training never reached step 5"
@@ -287,7 +288,7 @@ def test_a_finished_nodes_launcher_never_waits_for_a_peer_that_does_not_come(
     t0 = time.monotonic()
     results = finish(procs)
     assert [r.returncode for r in results] == [0, 0], [r.stdout[-2000:] for r in results]
-    assert time.monotonic() - t0 < LINGER_S + 120  # not the barrier's 300 s
+    assert time.monotonic() - t0 < linger_s + 120  # not the barrier's 300 s
     lingered = {e["details"]["node"] for e in kinds(d, "launcher_lingered")}
     assert "n1" in lingered and lingered <= {"n0", "n1"}, kinds(d, "launcher_lingered")
     assert {e["details"]["outcome"] for e in kinds(d, "attempt_end")} == {"ok"}
