@@ -104,7 +104,8 @@ class _Indexed(Dataset[tuple[int, Any]]):
 class _SkipQuarantined(Sampler[list[int]]):
     """Batches of ``batch_size`` indices from the user's sampler, quarantined ids skipped,
     the last incomplete batch dropped. State: the epoch and the sampler positions consumed;
-    the sampler is told the epoch (``set_epoch``) and replayed to the position on resume."""
+    the sampler is told the epoch (``set_epoch``) and replayed to the position on resume,
+    or started there by its ``iter_from(position)`` when it has one."""
 
     def __init__(self, sampler: Any, batch_size: int, quarantined: set[int]) -> None:
         self.sampler, self.batch_size, self.quarantined = sampler, batch_size, quarantined
@@ -127,7 +128,10 @@ class _SkipQuarantined(Sampler[list[int]]):
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self.epoch)
         batch: list[int] = []
-        for pos, index in enumerate(self.sampler):
+        # A sampler that can start mid-epoch (orchestrator/samplers.py) skips the replay.
+        start = self.raw if hasattr(self.sampler, "iter_from") else 0
+        indices = self.sampler.iter_from(start) if start else iter(self.sampler)
+        for pos, index in enumerate(indices, start=start):
             if pos < self.raw:
                 continue
             if int(index) not in self.quarantined:
