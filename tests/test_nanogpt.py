@@ -4,15 +4,24 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from harness import run_ranks
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from orchestrator import Value
+from conftest import REPO, assert_bitwise_equal, kinds, prequarantined
+from orchestrator import Guard, Value, parse_policy
 from orchestrator.samplers import RandomOffsetSampler, TokenStreamSampler, WindowDataset
+
+sys.path.insert(0, str(REPO / "examples"))
+from train_nanogpt import GPT, get_lr, parse
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -83,3 +92,115 @@ def test_value_holds_one_value_for_snapshots() -> None:
     assert best.state_dict() == {"value": 2.5}
     best.load_state_dict(state)
     assert best.value == 1e9 and repr(best) == "Value(1000000000.0)"
+
+
+# --- the loop, 2 ranks as threads (tests/harness.py) ------------------------------------
+BLOCK, BATCH, ACCUM = 16, 4, 2
+TOKENS = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(0))
+
+
+def draw_at(step: int, micro: int, row: int, rank: int = 0) -> int:
+    """The offset rank ``rank`` draws at (step, micro, row), nothing quarantined before."""
+    sampler = RandomOffsetSampler(len(TOKENS), BLOCK, seed=5, rank=rank, world_size=2)
+    return int(sampler.offsets((step * ACCUM + micro) * BATCH + row, 1)[0])
+
+
+def nano_loop(run_dir: Path, policy: dict[str, Any], steps: int) -> list[dict[str, Any]]:
+    """examples/train_nanogpt.py's loop on 2 thread ranks: DDP, random windows, gradient
+    accumulation 2, the cosine LR set from guard.global_step before every micro-batch,
+    clipping by hand at guard.last_micro, best_val_loss a Value. Each rank returns its
+    final state and, per committed step, (step, guard.lr before it, the LR the optimizer
+    stepped with, the group's LR after it)."""
+    a = parse(["--learning-rate", "1e-2", "--warmup-iters", "3", "--lr-decay-iters", "20"])
+    torch.manual_seed(0)  # here, once: the threads share torch's global RNG
+    base = GPT(64, BLOCK, n_layer=1, n_head=2, n_embd=16)
+    models = [copy.deepcopy(base) for _ in range(2)]
+
+    def rank_main(rank: int, _: int) -> dict[str, Any]:
+        model = DDP(models[rank])
+        opt = torch.optim.AdamW(model.parameters(), lr=a.learning_rate)
+        applied: list[float] = []
+        opt.register_step_pre_hook(lambda o, *_: applied.append(o.param_groups[0]["lr"]))
+        guard = Guard(
+            parse_policy(policy), model=model, optimizer=opt, grad_accum_steps=ACCUM,
+            run_dir=str(run_dir),
+        )  # fmt: skip
+        best = Value(1e9)
+        guard.register_state("best_val_loss", best)
+        sampler = RandomOffsetSampler(len(TOKENS), BLOCK, seed=5, samples_per_epoch=40)
+        loader = guard.dataloader(WindowDataset(TOKENS, BLOCK), BATCH, sampler=sampler)
+        steps_seen: list[tuple[int, float, float]] = []
+        for X, Y in guard.batches(loader, max_steps=steps):
+            lr = get_lr(guard.global_step, a)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            _, loss = model(X, Y)
+            guard.backward(loss)
+            if guard.last_micro:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                before = (guard.global_step, guard.lr)
+            if guard.step() == "commit":
+                steps_seen.append((*before, opt.param_groups[0]["lr"]))
+                best.value = min(best.value, float(loss.detach()))
+        guard.close()
+        state = {"model": models[rank].state_dict(), "optim": opt.state_dict()}
+        return {
+            "state": copy.deepcopy({**state, "best": best.value}),
+            "steps": steps_seen,
+            "applied": applied,
+            "lr": [get_lr(s, a) for s, _, _ in steps_seen],
+        }
+
+    return run_ranks(rank_main, 2, timeout_s=120)
+
+
+EXACT: dict[str, Any] = {"adjust": {"lr_factor": 1.0}, "snapshot": {"every_steps": 4}}
+
+
+def test_hand_set_lr_follows_global_step_and_the_incident_cut(tmp_path: Path) -> None:
+    """The LR set by hand from guard.global_step is what the optimizer steps with, times
+    the Guard's multiplier after an incident (cut, hold, ramp), and is back in the param
+    groups after each step; a rollback moves global_step back, and the LR with it."""
+    adjust = {"lr_factor": 0.5, "hold_steps": 2, "rewarm_steps": 4}
+    faults = [{"kind": "nan_grad", "step": 6, "rank": 1, "micro": 1}]
+    policy = {"adjust": adjust, "snapshot": {"every_steps": 4}, "faults": faults}
+    ranks = nano_loop(tmp_path / "run", policy, steps=14)
+    (rollback,) = kinds(tmp_path / "run", "rollback")
+    to = rollback["details"]["to_step"]
+    assert (rollback["details"]["from_step"], to) == (6, 4)
+    for r in ranks:
+        steps = [s for s, _, _ in r["steps"]]
+        assert steps == [*range(6), *range(to, 14)]  # the replay runs steps 4 and 5 again
+        after = [1.0] * 6 + [0.5, 0.5, 0.5, 0.625, 0.75, 0.875] + [1.0] * 4
+        assert [g for _, g, _ in r["steps"]] == [
+            lr * m for lr, m in zip(r["lr"], after, strict=True)
+        ]
+        assert r["applied"] == [g for _, g, _ in r["steps"]]  # what guard.lr said
+        assert [kept for _, _, kept in r["steps"]] == r["lr"]  # the hand-set LR, put back
+
+
+def test_a_rollback_replays_the_windows_bit_for_bit(tmp_path: Path) -> None:
+    """A transient NaN at micro-batch 1 of step 6 rolls back to step 4: the windows, the
+    LR and the clipping are replayed, and every rank ends as a clean run did."""
+    clean = nano_loop(tmp_path / "clean", EXACT, steps=10)
+    faults = [{"kind": "nan_grad", "step": 6, "rank": 0, "micro": 1}]
+    faulty = nano_loop(tmp_path / "faulty", {**EXACT, "faults": faults}, steps=10)
+    assert len(kinds(tmp_path / "faulty", "rollback")) == 1
+    for a, b in zip(clean, faulty, strict=True):
+        assert_bitwise_equal(a["state"], b["state"], "final")
+
+
+def test_a_poison_window_is_quarantined_by_its_offset_bit_for_bit(tmp_path: Path) -> None:
+    """A window whose loss is NaN (a fault on its offset) at step 5 is isolated and
+    quarantined by its offset; the run then equals one whose ledger held it from the start
+    (the sampler's draw is skipped in both, the position unchanged)."""
+    bad = draw_at(step=5, micro=1, row=2)
+    policy = {**EXACT, "faults": [{"kind": "poison_sample", "sample": bad}]}
+    faulty = nano_loop(tmp_path / "faulty", policy, steps=10)
+    (q,) = kinds(tmp_path / "faulty", "quarantine")
+    assert q["details"]["samples"] == [bad]
+    pre_dir = prequarantined(tmp_path, [bad])
+    pre = nano_loop(pre_dir, policy, steps=10)
+    assert not kinds(pre_dir, "incident")
+    for a, b in zip(pre, faulty, strict=True):
+        assert_bitwise_equal(a["state"], b["state"], "final")
