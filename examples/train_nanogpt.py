@@ -19,6 +19,7 @@ import argparse
 import logging
 import math
 import os
+import shutil
 import sys
 import tempfile
 
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"step {guard.global_step}: train {guard.loss:.4f}, val {val_loss:.4f}, lr {lr:.2e}"
             )
     guard.close()
+    if a.data_dir is None:
+        shutil.rmtree(data_dir, ignore_errors=True)
 
     if a.save_final:
         os.makedirs(a.save_final, exist_ok=True)

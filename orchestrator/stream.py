@@ -288,6 +288,9 @@ class StreamSource:
         )
         self._it: Iterator[Any] | None = None
         self._fresh = False  # the iterator has yielded nothing yet
+        # The next iterator resumes a loaded position, which may be an epoch's end (a
+        # snapshot taken after its last batch): that pass may end at once.
+        self._resuming = False
         # The step's samples by id, for re-runs: the sample itself (a user collate_fn), or
         # (the collated batch, its row) with the default collate.
         self._samples: dict[int, Any] = {}
@@ -324,7 +327,7 @@ class StreamSource:
             )
         self.loader.load_state_dict(local["loader"])
         self._seen = int(local["seen"])
-        self._it = None
+        self._it, self._resuming = None, True
 
     def open(self, ledger_url: str) -> None:
         if self._it is None:
@@ -335,15 +338,15 @@ class StreamSource:
         try:
             ids, samples, batch = next(self._it)
         except StopIteration:
-            if self._fresh:  # else the next pass would end at once too: a busy loop
+            if self._fresh and not self._resuming:  # else the next pass would end at once
                 raise OrchestratorError(
                     f"rank {self.rank}: the data yields no full batch of {self.batch_size} "
                     f"samples{' (quarantined ones skipped)' if self._q else ''}; check the "
                     "dataset's sharding for this rank, or lower the batch size"
                 ) from None
-            self._it = None
+            self._it, self._resuming = None, False
             return None
-        self._fresh = False
+        self._fresh = self._resuming = False
         if samples is not None:
             self._samples.update(zip(ids, samples, strict=True))
         else:

@@ -16,7 +16,7 @@ import torch
 from harness import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import REPO, assert_bitwise_equal, kinds, prequarantined
+from conftest import REPO, assert_bitwise_equal, final_states, kinds, prequarantined, train
 from orchestrator import Guard, Value, parse_policy
 from orchestrator.samplers import RandomOffsetSampler, TokenStreamSampler, WindowDataset
 
@@ -99,10 +99,19 @@ BLOCK, BATCH, ACCUM = 16, 4, 2
 TOKENS = torch.randint(0, 64, (3000,), generator=torch.Generator().manual_seed(0))
 
 
+# Draws per rank per epoch: 4 steps' worth, so a snapshot every 4 steps is taken at an
+# epoch's end (a rollback or a resume to it starts with an ended pass).
+PER_EPOCH = 4 * ACCUM * BATCH
+
+
 def draw_at(step: int, micro: int, row: int, rank: int = 0) -> int:
     """The offset rank ``rank`` draws at (step, micro, row), nothing quarantined before."""
-    sampler = RandomOffsetSampler(len(TOKENS), BLOCK, seed=5, rank=rank, world_size=2)
-    return int(sampler.offsets((step * ACCUM + micro) * BATCH + row, 1)[0])
+    sampler = RandomOffsetSampler(
+        len(TOKENS), BLOCK, seed=5, rank=rank, world_size=2, samples_per_epoch=PER_EPOCH
+    )
+    epoch, draw = divmod((step * ACCUM + micro) * BATCH + row, PER_EPOCH)
+    sampler.set_epoch(epoch)
+    return int(sampler.offsets(draw, 1)[0])
 
 
 def nano_loop(run_dir: Path, policy: dict[str, Any], steps: int) -> list[dict[str, Any]]:
@@ -127,7 +136,7 @@ def nano_loop(run_dir: Path, policy: dict[str, Any], steps: int) -> list[dict[st
         )  # fmt: skip
         best = Value(1e9)
         guard.register_state("best_val_loss", best)
-        sampler = RandomOffsetSampler(len(TOKENS), BLOCK, seed=5, samples_per_epoch=40)
+        sampler = RandomOffsetSampler(len(TOKENS), BLOCK, seed=5, samples_per_epoch=PER_EPOCH)
         loader = guard.dataloader(WindowDataset(TOKENS, BLOCK), BATCH, sampler=sampler)
         steps_seen: list[tuple[int, float, float]] = []
         for X, Y in guard.batches(loader, max_steps=steps):
@@ -204,3 +213,47 @@ def test_a_poison_window_is_quarantined_by_its_offset_bit_for_bit(tmp_path: Path
     assert not kinds(pre_dir, "incident")
     for a, b in zip(pre, faulty, strict=True):
         assert_bitwise_equal(a["state"], b["state"], "final")
+
+
+# --- examples/train_nanogpt.py under torchrun, 2 ranks ------------------------------------
+NANO = REPO / "examples" / "train_nanogpt.py"
+RUN_EXACT: dict[str, Any] = {
+    "adjust": {"lr_factor": 1.0},
+    "snapshot": {"every_steps": 5},
+    "persist": {"every_steps": 5},
+}
+
+
+def run_example(run_dir: Path, policy: dict[str, Any], ok: bool = True) -> None:
+    # 28 draws per rank per epoch (3.5 steps): epochs end mid-step, and the snapshots (every
+    # 5 steps) lie mid-epoch, where the sampler starts by its iter_from.
+    args = ["--max-iters", "24", "--samples-per-epoch", "28", "--eval-interval", "10"]
+    args += ["--data-dir", str(run_dir.parent / "data")]
+    r = train(run_dir, 2, *args, policy=policy, script=NANO)
+    assert (r.returncode == 0) == ok, r.stdout[-4000:]
+
+
+def test_the_example_rolls_back_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """examples/train_nanogpt.py on 2 ranks: a transient NaN at step 7 rolls back to step 5,
+    a crash at step 17 ends the attempt and the same command resumes from the durable tier;
+    the model, the optimizer and best_val_loss end bit for bit as a clean run's, on every
+    rank."""
+    clean = tmp_path / "clean"
+    run_example(clean, RUN_EXACT)
+    faulty = tmp_path / "faulty"
+    faults = [
+        {"kind": "nan_grad", "step": 7, "rank": 1, "micro": 1},
+        {"kind": "crash", "step": 17, "rank": 0, "after_persist": True},
+    ]
+    policy = {**RUN_EXACT, "faults": faults}
+    run_example(faulty, policy, ok=False)
+    run_example(faulty, policy)
+    (rollback,) = kinds(faulty, "rollback")
+    assert (rollback["details"]["from_step"], rollback["details"]["to_step"]) == (7, 5)
+    (resume,) = kinds(faulty, "resume")
+    assert resume["details"]["snapshot_step"] in (10, 15)  # as far as the writes got
+    finals = final_states(faulty)
+    assert finals[0]["best_val_loss"] < 1e9  # rank 0 evaluated (and resumed its best)
+    for a, b in zip(final_states(clean), finals, strict=True):
+        assert a["step"] == b["step"] == 24
+        assert_bitwise_equal(a, b, "final")
