@@ -225,7 +225,7 @@ class WindowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             raise IndexError(f"window offset {i} outside 0..{self._len - 1}")
         window = self._tokens()[i : i + self.block_size + 1]
         if isinstance(window, torch.Tensor):
-            chunk = window.to(torch.int64)
+            chunk = window.to(torch.int64, copy=True)  # never a view of the user's tokens
         else:
             chunk = torch.from_numpy(np.asarray(window).astype(np.int64))
         return chunk[:-1], chunk[1:]
