@@ -114,7 +114,8 @@ def estimate_loss(model: nn.Module, val: WindowDataset, a: argparse.Namespace) -
     losses = []
     for i in range(a.eval_iters):
         rows = [val[o] for o in offsets[i * a.batch_size : (i + 1) * a.batch_size]]
-        X, Y = (torch.stack(t) for t in zip(*rows, strict=True))
+        device = next(model.parameters()).device
+        X, Y = (torch.stack(t).to(device) for t in zip(*rows, strict=True))
         losses.append(float(model(X, Y)[1]))
     model.train()
     return sum(losses) / len(losses)
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         for param_group in optimizer.param_groups:
             param_group["lr"] = lr
         _, loss = model(X.to(device), Y.to(device))
-        guard.backward(loss)  # divides by the accumulation steps; no_sync before the last
+        guard.backward(loss)  # divides by the accumulation steps (the Guard runs no_sync)
         if a.grad_clip and guard.last_micro:  # the gradients are whole on the last one
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
         if guard.step() != "commit":  # "accumulate", or an incident's re-runs and rollback
@@ -200,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             val_loss = estimate_loss(raw, val, a)
             best_val_loss.value = min(best_val_loss.value, val_loss)
             print(
-                f"step {guard.global_step}: train {guard.loss:.4f}, val {val_loss:.4f}, lr {lr:.2e}"
+                f"step {guard.global_step}: train {guard.loss:.4f}, val {val_loss:.4f}, "
+                f"lr {guard.lr:.2e}"  # the LR set here, times the Guard's after an incident
             )
     guard.close()
     if a.data_dir is None:
