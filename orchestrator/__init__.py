@@ -29,6 +29,7 @@ from orchestrator.errors import (
 from orchestrator.incident import Incident
 from orchestrator.journal import read_journal
 from orchestrator.policy import Policy, load_policy, parse_policy
+from orchestrator.value import Value
 
 __all__ = [
     "EXIT_CRASH_LOOP",
@@ -48,6 +49,7 @@ __all__ = [
     "RunStop",
     "Unhealthy",
     "UsageError",
+    "Value",
     "exit_process",
     "load_policy",
     "parse_policy",

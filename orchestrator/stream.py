@@ -104,7 +104,8 @@ class _Indexed(Dataset[tuple[int, Any]]):
 class _SkipQuarantined(Sampler[list[int]]):
     """Batches of ``batch_size`` indices from the user's sampler, quarantined ids skipped,
     the last incomplete batch dropped. State: the epoch and the sampler positions consumed;
-    the sampler is told the epoch (``set_epoch``) and replayed to the position on resume."""
+    the sampler is told the epoch (``set_epoch``) and replayed to the position on resume,
+    or started there by its ``iter_from(position)`` when it has one."""
 
     def __init__(self, sampler: Any, batch_size: int, quarantined: set[int]) -> None:
         self.sampler, self.batch_size, self.quarantined = sampler, batch_size, quarantined
@@ -127,7 +128,10 @@ class _SkipQuarantined(Sampler[list[int]]):
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self.epoch)
         batch: list[int] = []
-        for pos, index in enumerate(self.sampler):
+        # A sampler that can start mid-epoch (orchestrator/samplers.py) skips the replay.
+        start = self.raw if hasattr(self.sampler, "iter_from") else 0
+        indices = self.sampler.iter_from(start) if start else iter(self.sampler)
+        for pos, index in enumerate(indices, start=start):
             if pos < self.raw:
                 continue
             if int(index) not in self.quarantined:
@@ -284,6 +288,9 @@ class StreamSource:
         )
         self._it: Iterator[Any] | None = None
         self._fresh = False  # the iterator has yielded nothing yet
+        # The next iterator resumes a loaded position, which may be an epoch's end (a
+        # snapshot taken after its last batch): that pass may end at once.
+        self._resuming = False
         # The step's samples by id, for re-runs: the sample itself (a user collate_fn), or
         # (the collated batch, its row) with the default collate.
         self._samples: dict[int, Any] = {}
@@ -320,7 +327,7 @@ class StreamSource:
             )
         self.loader.load_state_dict(local["loader"])
         self._seen = int(local["seen"])
-        self._it = None
+        self._it, self._resuming = None, True
 
     def open(self, ledger_url: str) -> None:
         if self._it is None:
@@ -331,15 +338,15 @@ class StreamSource:
         try:
             ids, samples, batch = next(self._it)
         except StopIteration:
-            if self._fresh:  # else the next pass would end at once too: a busy loop
+            if self._fresh and not self._resuming:  # else the next pass would end at once
                 raise OrchestratorError(
                     f"rank {self.rank}: the data yields no full batch of {self.batch_size} "
                     f"samples{' (quarantined ones skipped)' if self._q else ''}; check the "
                     "dataset's sharding for this rank, or lower the batch size"
                 ) from None
-            self._it = None
+            self._it, self._resuming = None, False
             return None
-        self._fresh = False
+        self._fresh = self._resuming = False
         if samples is not None:
             self._samples.update(zip(ids, samples, strict=True))
         else:
