@@ -142,6 +142,7 @@ def save_final(
         "sched": sched.state_dict(),
         "losses": torch.stack(losses) if losses else torch.empty(0),
         "steps": steps,
+        "accelerator_step": accelerator.step,  # Accelerate's micro-batch counter
     }
     torch.save(state, os.path.join(where, f"rank{accelerator.process_index}.pt"))
 
