@@ -194,3 +194,58 @@ def test_rollback_to_the_first_snapshot_replays_epoch_0() -> None:
     again = source.fetch()
     assert first is not None and again is not None and first[0] == again[0] == [0, 1]
     assert sampler.epochs == [0, 0]
+
+
+USAGE = """
+import sys, torch
+from accelerate import Accelerator
+from orchestrator.errors import UsageError
+from orchestrator.integrations.accelerate import guard_accelerate
+
+run_dir = sys.argv[1]
+accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+data = [{"x": torch.full((4,), float(i))} for i in range(32)]
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+ordered = torch.utils.data.DataLoader(data, batch_size=2)
+shuffled = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
+model, opt, ordered, shuffled, sched = accelerator.prepare(model, opt, ordered, shuffled, sched)
+
+# optimizer.step() only when Accelerate syncs: the micro-batches before accumulate as usual
+guard = guard_accelerate(accelerator, run_dir=run_dir + "/a")
+for batch in guard.batches(ordered, max_steps=4):
+    with accelerator.accumulate(model):
+        accelerator.backward(model(batch["x"]).mean())
+        if accelerator.sync_gradients:
+            opt.step(); sched.step(); opt.zero_grad()
+guard.close()
+print("steps", guard.global_step, opt.state_dict()["state"].get(0), sched.scheduler.last_epoch)
+
+# no optimizer.step() at all: refused at the step's last micro-batch
+guard = guard_accelerate(accelerator, run_dir=run_dir + "/b")
+try:
+    for batch in guard.batches(ordered, max_steps=4):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(batch["x"]).mean())
+except UsageError as err:
+    print("refused", "optimizer.step()" in str(err))
+guard.close(persist=False)
+
+# a RandomSampler whose order is not a function of the epoch: refused, saying what to do
+guard = guard_accelerate(accelerator, run_dir=run_dir + "/c")
+try:
+    next(guard.batches(shuffled, max_steps=4))
+except UsageError as err:
+    print("refused", "use_seedable_sampler=True" in str(err))
+guard.close(persist=False)
+"""
+
+
+def test_step_only_on_sync_and_what_is_refused(tmp_path: Path) -> None:
+    """One process: a body that steps only when Accelerate syncs commits every step; a body
+    without optimizer.step() and a loader whose shuffle cannot be replayed are refused."""
+    r = run([sys.executable, "-c", USAGE, str(tmp_path)], timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:]
+    lines = [line for line in r.stdout.splitlines() if line.startswith(("steps", "refused"))]
+    assert lines == ["steps 4 None 4", "refused True", "refused True"], r.stdout[-3000:]

@@ -225,6 +225,19 @@ class AccelerateGuard(Guard):
             else:
                 self.accelerator.step = self.global_step * ga + self.micro
             yield batch if device is None else send_to_device(batch, device)
+            if self._phase == "backward":  # the body ran backward but no optimizer.step()
+                self._no_step()
+
+    def _no_step(self) -> None:
+        """A loop that calls ``optimizer.step()`` only when ``accelerator.sync_gradients``:
+        the micro-batches before the last accumulate as they would; the last must step."""
+        if self.last_micro and not (self.investigation.active or self._probing):
+            raise UsageError(
+                "the loop body ran accelerator.backward but not optimizer.step() on the last "
+                "micro-batch of a step: call optimizer.step() (and scheduler.step(), "
+                "optimizer.zero_grad()) in the body, as a plain Accelerate loop does"
+            )
+        self._step_hook()
 
     def close(self, persist: bool = True) -> None:
         """Close the Guard (:meth:`Guard.close`) and give Accelerate back its own backward
