@@ -9,6 +9,7 @@ saw the same batches). Processes, not threads: Accelerate's state is process-wid
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -249,3 +250,53 @@ def test_step_only_on_sync_and_what_is_refused(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-3000:]
     lines = [line for line in r.stdout.splitlines() if line.startswith(("steps", "refused"))]
     assert lines == ["steps 4 None 4", "refused True", "refused True"], r.stdout[-3000:]
+
+
+SCALER = """
+import os, sys, torch
+sys.path[:0] = sys.argv[2].split(os.pathsep)
+from accelerate import Accelerator, DataLoaderConfiguration
+from accelerate.utils import set_seed
+from conftest import assert_bitwise_equal
+from train_accelerate import MLP, Regression, plain_batches, train_step
+from orchestrator import parse_policy
+from orchestrator.integrations.accelerate import guard_accelerate
+
+def run(guarded):
+    acc = Accelerator(gradient_accumulation_steps=2, cpu=True,
+                      dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    # Accelerate's fp16 needs a GPU; its GradScaler path is the same with a CPU scaler, at a
+    # scale so large that the first step overflows (skipped, the scale halved).
+    acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**126)
+    set_seed(0)
+    model = MLP(16, 32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    loader = torch.utils.data.DataLoader(Regression(64, 16), batch_size=4, shuffle=True)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    if guarded:
+        guard = guard_accelerate(acc, parse_policy({}), run_dir=sys.argv[1])
+        batches = guard.batches(loader, max_steps=20)
+    else:
+        batches = plain_batches(acc, loader, 20)
+    losses = [train_step(acc, model, opt, sched, batch) for batch in batches]
+    if guarded:
+        guard.close()
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "sched": sched.state_dict(),
+            "scaler": acc.scaler.state_dict(), "losses": torch.stack(losses)}
+
+alone, guarded = run(False), run(True)
+assert_bitwise_equal(alone, guarded, "alone vs guarded")
+print("skipped", 20 - guarded["sched"]["last_epoch"], "scale", guarded["scaler"]["scale"])
+"""
+
+
+def test_grad_scaler_overflow_skips_as_accelerate_alone(tmp_path: Path) -> None:
+    """With Accelerate's GradScaler, an overflowed step is skipped by the scaler, the
+    scheduler skips it too, and the whole run (scaler state included) is Accelerate alone's,
+    bit for bit (one process: two Accelerators, one after the other)."""
+    here = Path(__file__).resolve().parent
+    paths = f"{here}{os.pathsep}{here.parent / 'examples'}"
+    r = run([sys.executable, "-c", SCALER, str(tmp_path / "run"), paths], timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert f"skipped 1 scale {2.0**125}" in r.stdout, r.stdout[-3000:]
