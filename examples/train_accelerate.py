@@ -30,15 +30,15 @@ from orchestrator.integrations.accelerate import guard_accelerate
 class Regression(torch.utils.data.Dataset):
     """Sample i: features and a noisy linear target drawn from a generator seeded by i."""
 
-    def __init__(self, n: int, dim: int) -> None:
-        self.n, self.dim = n, dim
+    def __init__(self, n: int, dim: int, first: int = 0) -> None:
+        self.n, self.dim, self.first = n, dim, first
         self.w = torch.randn(dim, generator=torch.Generator().manual_seed(0))
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(i)
+        g = torch.Generator().manual_seed(self.first + i)
         x = torch.randn(self.dim, generator=g)
         return {"x": x, "y": (x @ self.w + 0.1 * torch.randn((), generator=g)).reshape(1)}
 
@@ -70,6 +70,15 @@ def train_step(accelerator: Accelerator, model: nn.Module, opt: Any, sched: Any,
     return loss.detach()
 
 
+def evaluate(accelerator: Accelerator, model: nn.Module, loader: Iterable[Any]) -> torch.Tensor:
+    """The mean loss over the evaluation set, gathered from every rank."""
+    model.eval()
+    with torch.no_grad():
+        losses = [accelerator.gather_for_metrics(model(**b).loss.reshape(1)) for b in loader]
+    model.train()
+    return torch.cat(losses).mean()
+
+
 def plain_batches(accelerator: Accelerator, loader: Iterable[Any], steps: int) -> Any:
     """Accelerate alone: epochs of the prepared loader until ``steps`` optimizer steps."""
     done = 0
@@ -89,6 +98,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--grad-accum", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--mixed-precision", default="bf16", choices=["no", "bf16"])
+    ap.add_argument("--eval-every", type=int, default=10, help="optimizer steps")
     ap.add_argument("--plain", action="store_true", help="Accelerate alone, no Guard")
     ap.add_argument("--save-final", help="directory for rank<r>.pt with the final state")
     return ap.parse_args(argv)
@@ -109,17 +119,25 @@ def main(argv: list[str] | None = None) -> int:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     data = Regression(args.samples, 16)
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True)
-    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+    held_out = torch.utils.data.DataLoader(Regression(32, 16, first=10**6), batch_size=8)
+    model, opt, loader, held_out, sched = accelerator.prepare(model, opt, loader, held_out, sched)
 
     losses: list[torch.Tensor] = []
+    evals: list[tuple[int, torch.Tensor]] = []  # (step, evaluation loss) every --eval-every
     if args.plain:
+        steps = 0
         for batch in plain_batches(accelerator, loader, args.steps):
             losses.append(train_step(accelerator, model, opt, sched, batch))
-        steps = args.steps
+            steps += accelerator.sync_gradients
+            if accelerator.sync_gradients and steps % args.eval_every == 0:
+                evals.append((steps, evaluate(accelerator, model, held_out)))
     else:
         guard = guard_accelerate(accelerator, load_policy())  # Guard
         for batch in guard.batches(loader, max_steps=args.steps):  # Guard: was `in loader`
             losses.append(train_step(accelerator, model, opt, sched, batch))
+            # Guard: evaluate, log and save on committed steps (was: on sync_gradients)
+            if guard.outcome == "commit" and guard.global_step % args.eval_every == 0:
+                evals.append((guard.global_step, evaluate(accelerator, model, held_out)))
         guard.close()  # Guard
         steps = guard.global_step
         if accelerator.is_main_process:
@@ -128,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{guard.rollbacks} rollback(s), quarantined {sorted(guard.quarantined)}"
             )
     if args.save_final:
-        save_final(args.save_final, accelerator, model, opt, sched, losses, steps)
+        save_final(args.save_final, accelerator, model, opt, sched, (losses, evals), steps)
     return 0
 
 
@@ -140,7 +158,8 @@ def save_final(
         "model": accelerator.unwrap_model(model).state_dict(),
         "optim": opt.state_dict(),
         "sched": sched.state_dict(),
-        "losses": torch.stack(losses) if losses else torch.empty(0),
+        "losses": torch.stack(losses[0]) if losses[0] else torch.empty(0),
+        "evals": [(step, value) for step, value in losses[1]],
         "steps": steps,
         "accelerator_step": accelerator.step,  # Accelerate's micro-batch counter
     }

@@ -56,9 +56,21 @@ def finish(*procs: Any) -> None:
 
 def model_state(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What a run leaves, less its loss record (runs with re-runs and replays record more)."""
-    return [
-        {k: s[k] for k in ("model", "optim", "sched", "steps", "accelerator_step")} for s in states
-    ]
+    keys = ("model", "optim", "sched", "steps", "accelerator_step")
+    return [{k: s[k] for k in keys} for s in states]
+
+
+def evaluations(states: list[dict[str, Any]]) -> list[dict[int, torch.Tensor]]:
+    """Each rank's evaluations (every 10 committed steps) by step. A rollback commits the
+    steps after its snapshot again (bit for bit): their evaluation runs again, the same."""
+    by_step: list[dict[int, torch.Tensor]] = []
+    for s in states:
+        mine: dict[int, torch.Tensor] = {}
+        for step, value in s["evals"]:
+            assert step not in mine or torch.equal(mine[step], value), f"step {step} differs"
+            mine[step] = value
+        by_step.append(mine)
+    return by_step
 
 
 def assert_committed(states: list[dict[str, Any]]) -> None:
@@ -92,6 +104,7 @@ def test_healthy_run_is_accelerate_alone_bit_for_bit(healthy: tuple[Path, Path])
     assert len(plain) == len(guarded) == 2
     for rank, (a, b) in enumerate(zip(plain, guarded, strict=True)):
         assert a["losses"].numel() == 2 * STEPS
+        assert [step for step, _ in a["evals"]] == [10, 20, 30, 40]
         # Accelerate alone resets its micro-batch counter at each end of its loader (it is
         # 16 here); the Guard keeps it at the micro-batches of the committed steps.
         del a["accelerator_step"], b["accelerator_step"]
@@ -119,6 +132,7 @@ def test_poison_quarantined_and_transient_rolled_back_bit_for_bit(tmp_path: Path
     assert rollbacks == [(4, 0), (30, 20)]
     states = final_states(d)
     assert_bitwise_equal(model_state(final_states(ref)), model_state(states), "final")
+    assert_bitwise_equal(evaluations(final_states(ref)), evaluations(states), "evaluations")
     assert_committed(states)
     assert_replicas_agree(states)
 
@@ -134,6 +148,9 @@ def test_rollback_at_last_micro_then_more_steps_replicas_agree(
     assert [e["details"]["from_step"] for e in kinds(d, "rollback")] == [20]
     states = final_states(d)
     assert_bitwise_equal(model_state(final_states(healthy[1])), model_state(states), "final")
+    # Step 20 was evaluated, rolled back past (to 10) and committed again: evaluated twice.
+    assert [step for step, _ in states[0]["evals"]] == [10, 20, 20, 30, 40]
+    assert_bitwise_equal(evaluations(final_states(healthy[1])), evaluations(states), "evals")
     assert_committed(states)
     assert_replicas_agree(states)
 

@@ -152,7 +152,8 @@ def _check_loader(loader: Any) -> None:
 class AccelerateGuard(Guard):
     """A :class:`~orchestrator.Guard` hooked into an ``Accelerator`` (made by
     :func:`guard_accelerate`). Its ``batches`` takes the prepared loader; everything else is
-    the Guard's (``global_step``, ``incidents``, ``micro``, ``register_state``...)."""
+    the Guard's (``global_step``, ``incidents``, ``micro``, ``register_state``...), and
+    ``outcome`` says what the loop's last ``optimizer.step()`` did."""
 
     def __init__(self, accelerator: Any, policy: Policy | None = None, **options: Any) -> None:
         check_internals(accelerator)
@@ -170,6 +171,9 @@ class AccelerateGuard(Guard):
             grad_accum_steps=int(accelerator.gradient_accumulation_steps),
         )
         super().__init__(policy, engine=engine, **options)
+        #: What the loop's last ``optimizer.step()`` did, as ``guard.step`` returns it:
+        #: ``"commit"`` once per optimizer step applied; log, evaluate and save on it.
+        self.outcome: str | None = None
         self._loaders: dict[int, tuple[Any, Any]] = {}  # id(prepared) -> (prepared, Guard's)
         accelerator.backward = self._backward_hook
         self._accelerated.step = self._step_hook
@@ -189,7 +193,7 @@ class AccelerateGuard(Guard):
         steps the inner optimizer; a step not applied is skipped by Accelerate's scheduler."""
         if closure is not None:
             raise UsageError("guard_accelerate: optimizer.step(closure) is not supported")
-        outcome = self.step()
+        self.outcome = outcome = self.step()
         if outcome != ACCUMULATE:
             self._accelerated._is_overflow = outcome != COMMIT
 
@@ -250,7 +254,9 @@ class AccelerateGuard(Guard):
                     delattr(obj, name)
 
 
-def guard_accelerate(accelerator: Any, policy: Policy | None = None, **options: Any) -> Any:
+def guard_accelerate(
+    accelerator: Any, policy: Policy | None = None, **options: Any
+) -> AccelerateGuard:
     """A Guard for the loop of ``accelerator``, to call after ``accelerator.prepare``.
 
     Args:
