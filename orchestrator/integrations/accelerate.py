@@ -198,7 +198,7 @@ class AccelerateGuard(Guard):
             self._accelerated._is_overflow = outcome != COMMIT
 
     # --- the loop ---------------------------------------------------------------------------
-    def guard_loader(self, loader: Any) -> Any:
+    def _guard_loader(self, loader: Any) -> Any:
         """The Guard's loader over the prepared ``loader``'s data (made once per loader)."""
         known = self._loaders.get(id(loader))
         if known is not None:
@@ -221,10 +221,11 @@ class AccelerateGuard(Guard):
 
         ga = self.engine.micro_steps_per_step
         device = getattr(loader, "device", None)
-        for batch in super().batches(self.guard_loader(loader), max_steps):
+        for batch in super().batches(self._guard_loader(loader), max_steps):
             if self.investigation.active or self._probing:
-                # A re-run is a whole step in miniature: accumulate must not enter no_sync
-                # for it (the Guard keeps its gradients local), and the step's end is skipped.
+                # A re-run (isolation, crash probe) is a step of its own: accumulate syncs
+                # for it, so the body runs all of it (clipping, optimizer.step()); the Guard
+                # keeps its gradients local and applies nothing.
                 self.accelerator.step = self.global_step * ga + ga - 1
             else:
                 self.accelerator.step = self.global_step * ga + self.micro
