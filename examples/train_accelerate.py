@@ -99,6 +99,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--mixed-precision", default="bf16", choices=["no", "bf16"])
     ap.add_argument("--eval-every", type=int, default=10, help="optimizer steps")
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader workers")
     ap.add_argument("--plain", action="store_true", help="Accelerate alone, no Guard")
     ap.add_argument("--save-final", help="directory for rank<r>.pt with the final state")
     return ap.parse_args(argv)
@@ -118,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     data = Regression(args.samples, 16)
-    loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True)
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=args.batch_size, shuffle=True, num_workers=args.workers
+    )
     held_out = torch.utils.data.DataLoader(Regression(32, 16, first=10**6), batch_size=8)
     model, opt, loader, held_out, sched = accelerator.prepare(model, opt, loader, held_out, sched)
 

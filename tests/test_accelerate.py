@@ -126,7 +126,11 @@ def test_poison_quarantined_and_transient_rolled_back_bit_for_bit(tmp_path: Path
     ]
     ref = prequarantined(tmp_path, [POISON])
     d = tmp_path / "run"
-    finish(start(ref, policy=EXACT), start(d, policy={**EXACT, "faults": faults}))
+    # With a loader worker: the Guard's loader takes the prepared loader's worker settings.
+    workers = ("--workers", "1")
+    finish(
+        start(ref, *workers, policy=EXACT), start(d, *workers, policy={**EXACT, "faults": faults})
+    )
     assert [e["details"]["samples"] for e in kinds(d, "quarantine")] == [[POISON]]
     rollbacks = [(e["details"]["from_step"], e["details"]["to_step"]) for e in kinds(d, "rollback")]
     assert rollbacks == [(4, 0), (30, 20)]
