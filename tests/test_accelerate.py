@@ -261,16 +261,24 @@ try:
 except UsageError as err:
     print("refused", "use_seedable_sampler=True" in str(err))
 guard.close(persist=False)
+
+# an Accelerate without an internal the integration reads: named at start, with the version
+del accelerator.step
+try:
+    guard_accelerate(accelerator, run_dir=run_dir + "/d")
+except UsageError as err:
+    print("refused", "has no 'step'" in str(err) and "Accelerate 1." in str(err))
 """
 
 
 def test_step_only_on_sync_and_what_is_refused(tmp_path: Path) -> None:
     """One process: a body that steps only when Accelerate syncs commits every step; a body
-    without optimizer.step() and a loader whose shuffle cannot be replayed are refused."""
+    without optimizer.step(), a loader whose shuffle cannot be replayed and an Accelerate
+    without an internal the integration reads are refused, saying so."""
     r = run([sys.executable, "-c", USAGE, str(tmp_path)], timeout=120)
     assert r.returncode == 0, r.stdout[-3000:]
     lines = [line for line in r.stdout.splitlines() if line.startswith(("steps", "refused"))]
-    assert lines == ["steps 4 None 4", "refused True", "refused True"], r.stdout[-3000:]
+    assert lines == ["steps 4 None 4", *["refused True"] * 3], r.stdout[-3000:]
 
 
 SCALER = """
