@@ -28,6 +28,7 @@ Accelerate's private attributes used here are checked at start (:func:`check_int
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -73,6 +74,14 @@ def check_internals(accelerator: Any) -> None:
             f"guard_accelerate: distributed_type {kind} is not supported: the integration "
             "covers one process and DDP (MULTI_CPU, MULTI_GPU). For DeepSpeed or FSDP use the "
             "Guard's own loop (docs/engines.md)"
+        )
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and int(accelerator.num_processes) == 1:
+        raise UsageError(
+            f"guard_accelerate: the launcher started {world} ranks (WORLD_SIZE) but Accelerate "
+            "runs one process each, with no process group: every rank would train alone. On "
+            "a machine without a GPU pass Accelerator(cpu=True) (what `accelerate launch "
+            "--cpu` sets)"
         )
     if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
         raise UsageError(
