@@ -121,10 +121,12 @@ class _SkipQuarantined(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         # A generator: the code below runs at the first batch, after any load_state_dict.
         resume, self._resume = self._resume, None
-        if resume is None:
-            self.epoch, self.raw = self.epoch + 1, 0
-        else:
+        if resume is not None:
             self.epoch, self.raw = int(resume["epoch"]), int(resume["raw"])
+        if resume is None or self.epoch < 0:
+            # A new pass; or the position before the first one (a rollback to the initial
+            # snapshot): epoch 0, not set_epoch(-1), which would be another order.
+            self.epoch, self.raw = self.epoch + 1, 0
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self.epoch)
         batch: list[int] = []
