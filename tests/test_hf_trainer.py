@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from conftest import REPO, assert_bitwise_equal, final_states, kinds, prequarantined, train
 
@@ -41,3 +42,36 @@ def test_a_healthy_guarded_run_is_trainer_alone_bit_for_bit(tmp_path: Path) -> N
             assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
         assert b["global_step"] == b["guard_step"] == STEPS
     assert not kinds(tmp_path / "guarded", "incident")
+
+
+def sample_at(step: int, micro: int, rank: int, position: int = 1) -> int:
+    """A sample ``rank`` runs in micro-batch ``micro`` of ``step`` (epoch 0, nothing
+    quarantined), in Trainer's order: accelerate's seedable sampler (seed 0 + epoch), batches
+    of 4, every other batch to each of the 2 ranks."""
+    perm = torch.randperm(96, generator=torch.Generator().manual_seed(0)).tolist()
+    batch = (step * 2 + micro) * 2 + rank
+    return int(perm[batch * 4 + position])
+
+
+def test_a_poison_sample_is_quarantined_and_a_transient_nan_rolled_back(tmp_path: Path) -> None:
+    bad = sample_at(step=3, micro=1, rank=1)
+    faults = [
+        {"kind": "poison_sample", "sample": bad},
+        {"kind": "inf_loss", "step": 5, "rank": 0, "micro": 0},
+    ]
+    faulty = run(tmp_path / "faulty", policy={**EXACT, "faults": faults})
+    poison, transient = kinds(tmp_path / "faulty", "incident")
+    assert poison["step"] == 3 and poison["details"]["cause"] == "data"
+    assert transient["step"] == 5 and transient["details"]["why"] == "not_reproduced"
+    (q,) = kinds(tmp_path / "faulty", "quarantine")
+    assert q["details"]["samples"] == [bad]
+    assert [r["details"]["to_step"] for r in kinds(tmp_path / "faulty", "rollback")] == [2, 4]
+
+    pre = prequarantined(tmp_path, [bad])
+    clean = run(pre, policy=EXACT)
+    assert not kinds(pre, "incident")
+    for rank, (a, b) in enumerate(zip(clean, faulty, strict=True)):
+        # Refused steps were never logged: the log is the clean run's, step for step.
+        for key in ("model", "optim", "log_history"):
+            assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
+        assert b["global_step"] == b["guard_step"] == STEPS
