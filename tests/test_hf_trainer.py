@@ -4,13 +4,24 @@ accumulation 2, clipping, bf16 on CPU, a tiny Llama; 8 steps over 1.33 epochs.""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 
-from conftest import REPO, assert_bitwise_equal, final_states, kinds, prequarantined, train
+from conftest import (
+    REPO,
+    assert_bitwise_equal,
+    final_states,
+    kinds,
+    prequarantined,
+    train,
+    train_cmd,
+)
+from conftest import run as subprocess_run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,3 +86,30 @@ def test_a_poison_sample_is_quarantined_and_a_transient_nan_rolled_back(tmp_path
         for key in ("model", "optim", "log_history"):
             assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
         assert b["global_step"] == b["guard_step"] == STEPS
+
+
+# In the full matrix (a supervised restart costs a second start of both ranks); the Guard's
+# own restart path is covered by default in tests/test_drill.py's crash cell.
+@pytest.mark.matrix
+def test_a_sigkilled_rank_restarts_under_launch_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    plain = run(tmp_path / "plain", "--plain")
+    d = tmp_path / "run"
+    fast = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
+    policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast,
+              "faults": [{"kind": "crash", "step": 5, "rank": 1}]}  # fmt: skip
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    cmd, _ = train_cmd(d, 2, "--steps", str(STEPS), script=SCRIPT)
+    launch = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
+              "--run-dir", str(d), "--", *cmd]  # fmt: skip
+    r = subprocess_run(launch)
+    assert r.returncode == 0, r.stdout[-4000:]
+    (restart,) = kinds(d, "restart")
+    assert restart["details"]["cause"] == "crash" and restart["step"] == 5
+    (resume,) = kinds(d, "resume")
+    assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] == 4
+    for rank, (a, b) in enumerate(zip(plain, final_states(d), strict=True)):
+        # Trainer's log too: its entries before the crash came back with the snapshot.
+        for key in ("model", "optim", "log_history", "global_step"):
+            assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
+        assert b["guard_step"] == STEPS
