@@ -113,3 +113,28 @@ def test_a_sigkilled_rank_restarts_under_launch_and_resumes_bit_for_bit(tmp_path
         for key in ("model", "optim", "log_history", "global_step"):
             assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
         assert b["guard_step"] == STEPS
+
+
+@pytest.mark.matrix
+def test_a_sample_that_raises_in_trainer_s_forward_is_quarantined_within_3_attempts(
+    tmp_path: Path,
+) -> None:
+    bad = sample_at(step=3, micro=1, rank=1)
+    d = tmp_path / "run"
+    fast = {"backoff_s": 0.2, "backoff_max_s": 0.5}
+    policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast,
+              "faults": [{"kind": "crash_sample", "sample": bad}]}  # fmt: skip
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    cmd, _ = train_cmd(d, 2, "--steps", str(STEPS), script=SCRIPT)
+    launch = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
+              "--run-dir", str(d), "--", *cmd]  # fmt: skip
+    r = subprocess_run(launch)
+    assert r.returncode == 0, r.stdout[-4000:]
+    errors = [e for e in kinds(d, "loop_error") if e["attempt"] == 0 and e["rank"] == 1]
+    assert errors and errors[0]["step"] == 3 and errors[0]["details"]["micro"] == 1
+    assert bad in errors[0]["details"]["samples"]
+    (inc,) = kinds(d, "incident")
+    assert inc["details"]["reason"] == "crash" and inc["details"]["samples"] == [bad]
+    states = final_states(d)
+    assert all(s["global_step"] == s["guard_step"] == STEPS for s in states)

@@ -215,7 +215,8 @@ class GuardTrainerMixin:
     ) -> tuple[list[Any], Any]:
         t: Any = self
         guard = self.guard if self.guard is not None else self._guard_start()
-        batches = guard.begin_step(self._guard_loader, num_batches, t.state.max_steps)
+        max_steps, probe = t.state.max_steps, self._guard_rerun
+        batches = guard.begin_step(self._guard_loader, num_batches, max_steps, probe)
         return batches, t._get_num_items_in_batch(batches, device)
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
