@@ -138,3 +138,39 @@ def test_a_sample_that_raises_in_trainer_s_forward_is_quarantined_within_3_attem
     assert inc["details"]["reason"] == "crash" and inc["details"]["samples"] == [bad]
     states = final_states(d)
     assert all(s["global_step"] == s["guard_step"] == STEPS for s in states)
+
+
+def test_guarded_makes_any_trainer_subclass_guarded_in_one_process(tmp_path: Path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from orchestrator import UsageError, parse_policy
+    from orchestrator.integrations.hf import GuardTrainerMixin, guarded
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from train_hf_trainer import Tokens, model
+
+    class MyTrainer(Trainer):
+        pass  # stands for SFTTrainer or any subclass
+
+    cls = guarded(MyTrainer)
+    assert cls.__name__ == "GuardedMyTrainer" and cls.__mro__[1:3] == (GuardTrainerMixin, MyTrainer)
+    with pytest.raises(UsageError, match="Trainer subclass"):
+        guarded(dict)
+
+    def trainer(policy: dict[str, Any], where: str) -> Any:
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+            gradient_accumulation_steps=2, use_cpu=True, report_to=[], save_strategy="no",
+            disable_tqdm=True,
+        )  # fmt: skip
+        run_dir = str(tmp_path / where)
+        return cls(model=model(), args=args, train_dataset=Tokens(32),
+                   guard_policy=parse_policy(policy), guard_run_dir=run_dir)  # fmt: skip
+
+    t = trainer(EXACT, "run")
+    with pytest.raises(UsageError, match="resumes by itself"):
+        t.train(resume_from_checkpoint=str(tmp_path))
+    t.train()
+    assert t.state.global_step == t.guard.global_step == 3
+    with pytest.raises(UsageError, match="Trainer clips"):
+        trainer({**EXACT, "clip": {"max_norm": 1.0}}, "clipped").train()
