@@ -178,3 +178,22 @@ def test_guarded_makes_any_trainer_subclass_guarded_in_one_process(tmp_path: Pat
     assert t.state.global_step == t.guard.global_step == 3
     with pytest.raises(UsageError, match="Trainer clips"):
         trainer({**EXACT, "clip": {"max_norm": 1.0}}, "clipped").train()
+
+
+@pytest.mark.matrix
+def test_a_preempted_run_resumes_bit_for_bit_with_the_same_command(tmp_path: Path) -> None:
+    plain = run(tmp_path / "plain", "--plain")
+    d = tmp_path / "run"
+    policy = {**EXACT, "faults": [{"kind": "preempt", "step": 5, "rank": 1}]}
+    r = train(d, 2, "--steps", str(STEPS), policy=policy, script=SCRIPT)
+    assert r.returncode != 0, r.stdout[-3000:]
+    # The stop agreed at step 5's check waits for Trainer to finish that step (its scheduler
+    # step, counters and log): the snapshot is of step 6's start, the step held whole.
+    (pre,) = kinds(d, "preempted")
+    assert pre["details"]["persisted"] and pre["details"]["durable_step"] == 6
+    resumed = run(d, policy=policy)  # the same command: resumes, the fault already fired
+    (resume,) = kinds(d, "resume")
+    assert resume["details"]["snapshot_step"] == 6
+    for rank, (a, b) in enumerate(zip(plain, resumed, strict=True)):
+        for key in ("model", "optim", "log_history", "global_step"):
+            assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
