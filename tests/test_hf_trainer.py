@@ -97,7 +97,7 @@ def test_a_sigkilled_rank_restarts_under_launch_and_resumes_bit_for_bit(tmp_path
     plain = run(tmp_path / "plain", "--plain")
     d = tmp_path / "run"
     fast = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
-    # The crash waits for the step-4 snapshot's write, so the resume step is known.
+    # The crash waits for this rank's write of the step-4 snapshot.
     crash = {"kind": "crash", "step": 5, "rank": 1, "after_persist": True}
     policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast, "faults": [crash]}
     path = tmp_path / "policy.yaml"
@@ -108,9 +108,10 @@ def test_a_sigkilled_rank_restarts_under_launch_and_resumes_bit_for_bit(tmp_path
     r = subprocess_run(launch)
     assert r.returncode == 0, r.stdout[-4000:]
     (restart,) = kinds(d, "restart")
-    assert restart["details"]["cause"] == "crash" and restart["step"] == 5
+    assert restart["details"]["cause"] == "crash" and restart["step"] == 5, restart
     (resume,) = kinds(d, "resume")
-    assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] == 4
+    # Step 4's write is done on rank 1 when it dies; rank 0 may not have committed it yet.
+    assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] in (2, 4), resume
     for rank, (a, b) in enumerate(zip(plain, final_states(d), strict=True)):
         # Trainer's log too: its entries before the crash came back with the snapshot.
         for key in ("model", "optim", "log_history", "global_step"):
