@@ -31,12 +31,13 @@ from orchestrator.crashes import IN_BODY, IN_GUARD, collective_failure
 from orchestrator.engines import Engine, engine_for
 from orchestrator.errors import RunStop
 from orchestrator.factory import Components, Hooks, Teardown, build, open_context
+from orchestrator.framework_steps import FrameworkSteps
 from orchestrator.incident import Incident
 from orchestrator.inject import inject
 from orchestrator.policy import Policy, load_policy
 from orchestrator.rng import set_torch_rng_state, torch_rng_state
 from orchestrator.stateful import UserState
-from orchestrator.stepping import ACCUMULATE, COMMIT, INCIDENT, OVERFLOW_SKIP, PROBE, StepInternals
+from orchestrator.stepping import ACCUMULATE, COMMIT, INCIDENT, OVERFLOW_SKIP, PROBE
 from orchestrator.tuning import Intervals, resolve_auto
 
 __all__ = ["ACCUMULATE", "COMMIT", "INCIDENT", "OVERFLOW_SKIP", "PROBE", "Guard"]
@@ -45,7 +46,7 @@ __all__ = ["ACCUMULATE", "COMMIT", "INCIDENT", "OVERFLOW_SKIP", "PROBE", "Guard"
 logger = logging.getLogger(__name__)
 
 
-class Guard(StepInternals):
+class Guard(FrameworkSteps):
     """Detect, roll back, quarantine, adjust, resume: wraps one rank's training loop.
 
     Args:
@@ -109,6 +110,7 @@ class Guard(StepInternals):
         # The step being run: phase (idle, batch, backward, stepped), micro-batches so far.
         self._phase, self._micro = "idle", 0
         self._cur_ids: list[int] = []
+        self._queued: list[list[int]] = []  # begin_step's micro-batches (integrations)
         self._loss: torch.Tensor | None = None
         self._given: torch.Tensor | None = None  # the tensor the loop gave to backward
         self._probing = False  # running a crash probe (forward only)
@@ -236,14 +238,7 @@ class Guard(StepInternals):
         isolation); ``guard.step`` then returns ``"probe"`` and nothing is applied.
         """
         self.cursor.check_loader(loader)
-        if not self._resumed:
-            self._resumed = True
-            self.keeper.check_budget()  # with the objects register_state added since
-            step = self.keeper.resume() if self.policy.persist.resume else None
-            self.global_step = self.global_step if step is None else step
-            self.lifecycle.say_if_done(self.global_step, max_steps)
-        if not self.ring.snapshots():
-            self.keeper.capture(self.global_step, initial=True)
+        self._open_run(max_steps)
         while True:
             every = self.intervals.snapshot_steps  # tune may change it (every_steps: auto)
             if self.investigation.active:
@@ -347,21 +342,27 @@ class Guard(StepInternals):
     def close(self, persist: bool = True) -> None:
         """Finish the run: persist its final state (``persist`` and between steps only),
         stop the writer, journal the end. Safe to call twice."""
+        self._close(persist, keep_marker=False)
+
+    def _close(self, persist: bool, keep_marker: bool) -> None:
         between_steps = self._phase == "idle" and self.recovery.open is None
         self.lifecycle.close(self.global_step, persist, between_steps and self._resumed)
         self.engine.release()
-        self.marker.close()
+        self.marker.close(keep=keep_marker)
 
     def __enter__(self) -> Guard:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         # An error mid-step leaves nothing worth persisting: only a clean exit persists.
+        in_body = False
         if isinstance(exc, BaseException):
             self._loop_error(exc)
             if not isinstance(exc, RunStop):  # peers may be blocked in a collective
                 note_error()
-        self.close(persist=exc is None or isinstance(exc, RunStop))
+                in_body = self._phase in ("batch", "backward")
+        # An error in the loop body keeps the marker: the next attempt probes those samples.
+        self._close(exc is None or isinstance(exc, RunStop), keep_marker=in_body)
 
     def _loop_error(self, err: BaseException) -> None:
         """An exception left the loop body (with ``with Guard(...)``, or uncaught at exit):

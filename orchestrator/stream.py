@@ -290,9 +290,9 @@ class StreamSource:
         )
         self._it: Iterator[Any] | None = None
         self._fresh = False  # the iterator has yielded nothing yet
-        # The next iterator resumes a loaded position, which may be an epoch's end (a
-        # snapshot taken after its last batch): that pass may end at once.
-        self._resuming = False
+        # The next iterator starts from a restored position, which may be its epoch's very
+        # end (a snapshot taken there): an empty first iterator then ends that epoch.
+        self._restored = False
         # The step's samples by id, for re-runs: the sample itself (a user collate_fn), or
         # (the collated batch, its row) with the default collate.
         self._samples: dict[int, Any] = {}
@@ -329,26 +329,35 @@ class StreamSource:
             )
         self.loader.load_state_dict(local["loader"])
         self._seen = int(local["seen"])
-        self._it, self._resuming = None, True
+        self._it, self._restored = None, True
 
     def open(self, ledger_url: str) -> None:
         if self._it is None:
-            self._it, self._fresh = iter(self.loader), True
+            if self._restored:
+                # Making an iterator draws its workers' base seed from torch's global
+                # generator; the run this replays drew none here (it went on with its
+                # iterator), so this one draws none either: later dropout masks stay its.
+                rng = torch.get_rng_state()
+                self._it = iter(self.loader)
+                torch.set_rng_state(rng)
+            else:
+                self._it = iter(self.loader)
+            self._fresh, self._restored = not self._restored, False
 
     def fetch(self) -> tuple[list[int], Any, None] | None:
         assert self._it is not None
         try:
             ids, samples, batch = next(self._it)
         except StopIteration:
-            if self._fresh and not self._resuming:  # else the next pass would end at once
+            if self._fresh:  # else the next pass would end at once too: a busy loop
                 raise OrchestratorError(
                     f"rank {self.rank}: the data yields no full batch of {self.batch_size} "
                     f"samples{' (quarantined ones skipped)' if self._q else ''}; check the "
                     "dataset's sharding for this rank, or lower the batch size"
                 ) from None
-            self._it, self._resuming = None, False
+            self._it = None
             return None
-        self._fresh = self._resuming = False
+        self._fresh = False
         if samples is not None:
             self._samples.update(zip(ids, samples, strict=True))
         else:

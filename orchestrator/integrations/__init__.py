@@ -1,5 +1,6 @@
 """The Guard inside the frameworks' own training loops (issue 32).
 
 One module per framework, imported by name (each imports its framework, an optional
-dependency): ``orchestrator.integrations.accelerate`` (Hugging Face Accelerate).
+dependency): ``orchestrator.integrations.accelerate`` (Hugging Face Accelerate),
+``orchestrator.integrations.hf`` (``transformers.Trainer``). docs/integrations.md lists them.
 """
