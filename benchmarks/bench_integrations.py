@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import SEQ, VOCAB, TinyGPT, init_dist, loss_of, report, spawn
 
 SIZES = {"10M": (256, 12), "1M": (96, 8)}
-FRAMEWORKS = ("accelerate",)
+FRAMEWORKS = ("accelerate", "trainer")
 GA, BATCH = 2, 8
 
 
@@ -135,8 +135,59 @@ def _epochs(loader: Any) -> Iterator[Any]:
         yield from loader
 
 
+# --- transformers.Trainer -----------------------------------------------------------------------
+class LMTokens(Tokens):
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        t = super().__getitem__(i)["tokens"][:SEQ]
+        return {"input_ids": t, "labels": t}
+
+
+def trainer_worker(args: argparse.Namespace, run_dir: str) -> StepClock:
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+
+    from orchestrator import load_policy
+    from orchestrator.integrations.hf import GuardedTrainer
+
+    clock = StepClock(args.warmup)
+
+    class Tick(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            clock.tick()
+
+    d, layers = SIZES[args.size]
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=d, intermediate_size=int(2.75 * d), num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    targs = TrainingArguments(
+        output_dir=os.path.join(run_dir, "out"), max_steps=args.steps, seed=0,
+        per_device_train_batch_size=BATCH, gradient_accumulation_steps=GA, max_grad_norm=1.0,
+        learning_rate=1e-3, logging_steps=10, save_strategy="no", report_to=[],
+        use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+    )  # fmt: skip
+    common = {
+        "model": LlamaForCausalLM(config),
+        "args": targs,
+        "train_dataset": LMTokens(BATCH * GA * (args.steps + 1) * 2),
+        "callbacks": [Tick()],
+    }
+    if args.mode == "alone":
+        Trainer(**common).train()
+    else:
+        GuardedTrainer(**common, guard_policy=load_policy(), guard_run_dir=run_dir).train()
+    return clock
+
+
 WORKERS: dict[str, Callable[[argparse.Namespace, str], StepClock]] = {
     "accelerate": accelerate_worker,
+    "trainer": trainer_worker,
 }
 
 
