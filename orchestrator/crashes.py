@@ -70,9 +70,12 @@ class StepMarker:
         if self._map is not None:
             struct.pack_into(_FORMAT, self._map, 0, self.attempt, step, micro, probe, state)
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
+        """Close the marker, reset to idle unless ``keep`` (an error left the loop body:
+        the marker says where, for the next attempt)."""
         if self._map is not None:
-            self.set(0, 0, -1, IDLE)
+            if not keep:
+                self.set(0, 0, -1, IDLE)
             self._map.close()
             self._map = None
 

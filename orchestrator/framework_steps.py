@@ -50,9 +50,18 @@ class FrameworkSteps(StepInternals):
         if not self.ring.snapshots():
             self.keeper.capture(self.global_step, initial=True)
 
-    def begin_step(self, loader: Any, n: int, max_steps: int) -> list[Any]:
+    def begin_step(
+        self,
+        loader: Any,
+        n: int,
+        max_steps: int,
+        probe: Callable[[Any], torch.Tensor] | None = None,
+    ) -> list[Any]:
         """The ``n`` micro-batches of the next optimizer step, fetched now from ``loader``
-        (the one ``guard.dataloader`` returned), after a snapshot if one is due.
+        (the one ``guard.dataloader`` returned), after a snapshot if one is due. ``probe``
+        is the framework's forward of a batch (as :meth:`run_reruns` takes it): when the
+        previous attempt died in the loop body of one of these micro-batches, its samples
+        are probed with it one at a time first (forward only), as ``guard.batches`` does.
 
         Raises:
             UsageError: a step is already running, or ``n`` is not the engine's
@@ -84,6 +93,11 @@ class FrameworkSteps(StepInternals):
             self.cursor.micro_done()
             self._queued.append(fetched[0])
             batches.append(fetched[1])
+        s = self._suspect
+        if probe is not None and s is not None and s.step == step and s.micro < n:
+            for batch in self._probe_crash(self._queued[s.micro]):
+                self.backward(probe(batch))  # type: ignore[attr-defined]
+                self.step()  # type: ignore[attr-defined]
         self._step_rng = torch_rng_state()
         return batches
 

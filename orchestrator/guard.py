@@ -342,21 +342,27 @@ class Guard(FrameworkSteps):
     def close(self, persist: bool = True) -> None:
         """Finish the run: persist its final state (``persist`` and between steps only),
         stop the writer, journal the end. Safe to call twice."""
+        self._close(persist, keep_marker=False)
+
+    def _close(self, persist: bool, keep_marker: bool) -> None:
         between_steps = self._phase == "idle" and self.recovery.open is None
         self.lifecycle.close(self.global_step, persist, between_steps and self._resumed)
         self.engine.release()
-        self.marker.close()
+        self.marker.close(keep=keep_marker)
 
     def __enter__(self) -> Guard:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         # An error mid-step leaves nothing worth persisting: only a clean exit persists.
+        in_body = False
         if isinstance(exc, BaseException):
             self._loop_error(exc)
             if not isinstance(exc, RunStop):  # peers may be blocked in a collective
                 note_error()
-        self.close(persist=exc is None or isinstance(exc, RunStop))
+                in_body = self._phase in ("batch", "backward")
+        # An error in the loop body keeps the marker: the next attempt probes those samples.
+        self._close(exc is None or isinstance(exc, RunStop), keep_marker=in_body)
 
     def _loop_error(self, err: BaseException) -> None:
         """An exception left the loop body (with ``with Guard(...)``, or uncaught at exit):

@@ -4,13 +4,24 @@ accumulation 2, clipping, bf16 on CPU, a tiny Llama; 8 steps over 1.33 epochs.""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 
-from conftest import REPO, assert_bitwise_equal, final_states, kinds, prequarantined, train
+from conftest import (
+    REPO,
+    assert_bitwise_equal,
+    final_states,
+    kinds,
+    prequarantined,
+    train,
+    train_cmd,
+)
+from conftest import run as subprocess_run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -75,3 +86,91 @@ def test_a_poison_sample_is_quarantined_and_a_transient_nan_rolled_back(tmp_path
         for key in ("model", "optim", "log_history"):
             assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
         assert b["global_step"] == b["guard_step"] == STEPS
+
+
+# In the full matrix (a supervised restart costs a second start of both ranks); the Guard's
+# own restart path is covered by default in tests/test_drill.py's crash cell.
+@pytest.mark.matrix
+def test_a_sigkilled_rank_restarts_under_launch_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    plain = run(tmp_path / "plain", "--plain")
+    d = tmp_path / "run"
+    fast = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
+    policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast,
+              "faults": [{"kind": "crash", "step": 5, "rank": 1}]}  # fmt: skip
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    cmd, _ = train_cmd(d, 2, "--steps", str(STEPS), script=SCRIPT)
+    launch = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
+              "--run-dir", str(d), "--", *cmd]  # fmt: skip
+    r = subprocess_run(launch)
+    assert r.returncode == 0, r.stdout[-4000:]
+    (restart,) = kinds(d, "restart")
+    assert restart["details"]["cause"] == "crash" and restart["step"] == 5
+    (resume,) = kinds(d, "resume")
+    assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] == 4
+    for rank, (a, b) in enumerate(zip(plain, final_states(d), strict=True)):
+        # Trainer's log too: its entries before the crash came back with the snapshot.
+        for key in ("model", "optim", "log_history", "global_step"):
+            assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
+        assert b["guard_step"] == STEPS
+
+
+@pytest.mark.matrix
+def test_a_sample_that_raises_in_trainer_s_forward_is_quarantined_within_3_attempts(
+    tmp_path: Path,
+) -> None:
+    bad = sample_at(step=3, micro=1, rank=1)
+    d = tmp_path / "run"
+    fast = {"backoff_s": 0.2, "backoff_max_s": 0.5}
+    policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast,
+              "faults": [{"kind": "crash_sample", "sample": bad}]}  # fmt: skip
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    cmd, _ = train_cmd(d, 2, "--steps", str(STEPS), script=SCRIPT)
+    launch = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
+              "--run-dir", str(d), "--", *cmd]  # fmt: skip
+    r = subprocess_run(launch)
+    assert r.returncode == 0, r.stdout[-4000:]
+    errors = [e for e in kinds(d, "loop_error") if e["attempt"] == 0 and e["rank"] == 1]
+    assert errors and errors[0]["step"] == 3 and errors[0]["details"]["micro"] == 1
+    assert bad in errors[0]["details"]["samples"]
+    (inc,) = kinds(d, "incident")
+    assert inc["details"]["reason"] == "crash" and inc["details"]["samples"] == [bad]
+    states = final_states(d)
+    assert all(s["global_step"] == s["guard_step"] == STEPS for s in states)
+
+
+def test_guarded_makes_any_trainer_subclass_guarded_in_one_process(tmp_path: Path) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from orchestrator import UsageError, parse_policy
+    from orchestrator.integrations.hf import GuardTrainerMixin, guarded
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from train_hf_trainer import Tokens, model
+
+    class MyTrainer(Trainer):
+        pass  # stands for SFTTrainer or any subclass
+
+    cls = guarded(MyTrainer)
+    assert cls.__name__ == "GuardedMyTrainer" and cls.__mro__[1:3] == (GuardTrainerMixin, MyTrainer)
+    with pytest.raises(UsageError, match="Trainer subclass"):
+        guarded(dict)
+
+    def trainer(policy: dict[str, Any], where: str) -> Any:
+        args = TrainingArguments(
+            output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+            gradient_accumulation_steps=2, use_cpu=True, report_to=[], save_strategy="no",
+            disable_tqdm=True,
+        )  # fmt: skip
+        run_dir = str(tmp_path / where)
+        return cls(model=model(), args=args, train_dataset=Tokens(32),
+                   guard_policy=parse_policy(policy), guard_run_dir=run_dir)  # fmt: skip
+
+    t = trainer(EXACT, "run")
+    with pytest.raises(UsageError, match="resumes by itself"):
+        t.train(resume_from_checkpoint=str(tmp_path))
+    t.train()
+    assert t.state.global_step == t.guard.global_step == 3
+    with pytest.raises(UsageError, match="Trainer clips"):
+        trainer({**EXACT, "clip": {"max_norm": 1.0}}, "clipped").train()

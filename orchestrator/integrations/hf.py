@@ -82,7 +82,7 @@ class _TrainerCounters:
             "epoch": float(s.epoch or 0.0),
             "total_flos": float(s.total_flos),
             "num_input_tokens_seen": int(s.num_input_tokens_seen),
-            "log_history": len(s.log_history),
+            "log_history": list(s.log_history),  # the snapshot copies the entries
             "best_metric": s.best_metric,
             "best_global_step": s.best_global_step,
             "best_model_checkpoint": s.best_model_checkpoint,
@@ -101,7 +101,7 @@ class _TrainerCounters:
         s.global_step, s.epoch = int(state["global_step"]), float(state["epoch"])
         s.total_flos = float(state["total_flos"])
         s.num_input_tokens_seen = int(state["num_input_tokens_seen"])
-        del s.log_history[int(state["log_history"]) :]
+        s.log_history[:] = [dict(entry) for entry in state["log_history"]]
         s.best_metric, s.best_global_step = state["best_metric"], state["best_global_step"]
         s.best_model_checkpoint = state["best_model_checkpoint"]
         with torch.no_grad():
@@ -215,7 +215,8 @@ class GuardTrainerMixin:
     ) -> tuple[list[Any], Any]:
         t: Any = self
         guard = self.guard if self.guard is not None else self._guard_start()
-        batches = guard.begin_step(self._guard_loader, num_batches, t.state.max_steps)
+        max_steps, probe = t.state.max_steps, self._guard_rerun
+        batches = guard.begin_step(self._guard_loader, num_batches, max_steps, probe)
         return batches, t._get_num_items_in_batch(batches, device)
 
     def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
