@@ -5,14 +5,25 @@ CPU, a per-step LR scheduler; 8 steps over 1.33 epochs."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 from torch.utils.data import DistributedSampler
 
-from conftest import REPO, assert_bitwise_equal, final_states, kinds, prequarantined, train
+from conftest import (
+    REPO,
+    assert_bitwise_equal,
+    final_states,
+    kinds,
+    prequarantined,
+    train,
+    train_cmd,
+)
+from conftest import run as subprocess_run
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,3 +90,57 @@ def test_a_poison_sample_is_quarantined_and_a_transient_nan_rolled_back(tmp_path
             assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
         assert b["global_step"] == b["guard_step"] == STEPS
     assert torch.isfinite(torch.tensor([row[2] for row in faulty[0]["curve"]])).all()
+
+
+# In the full matrix (a supervised restart costs a second start of both ranks); the Guard's
+# own restart path is covered by default in tests/test_drill.py's crash cell.
+@pytest.mark.matrix
+def test_a_sigkilled_rank_restarts_under_launch_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    plain = run(tmp_path / "plain", "--plain")
+    d = tmp_path / "run"
+    fast = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
+    policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast,
+              "faults": [{"kind": "crash", "step": 5, "rank": 1}]}  # fmt: skip
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    cmd, _ = train_cmd(d, 2, "--steps", str(STEPS), script=SCRIPT)
+    launch = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
+              "--run-dir", str(d), "--", *cmd]  # fmt: skip
+    r = subprocess_run(launch)
+    assert r.returncode == 0, r.stdout[-4000:]
+    (restart,) = kinds(d, "restart")
+    assert restart["details"]["cause"] == "crash" and restart["step"] == 5
+    (resume,) = kinds(d, "resume")
+    assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] == 4
+    for rank, (a, b) in enumerate(zip(plain, final_states(d), strict=True)):
+        # The resumed process logged steps 4 to 7 (its in-memory logger), as Lightning
+        # alone did, and its counters went on from the snapshot's.
+        assert_bitwise_equal([row for row in a["curve"] if row[0] >= 4], b["curve"], "curve")
+        for key in ("model", "optim", "sched", "global_step", "batches_that_stepped"):
+            assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
+        assert b["guard_step"] == STEPS
+
+
+@pytest.mark.matrix
+def test_a_sample_that_raises_in_the_training_step_is_quarantined_within_3_attempts(
+    tmp_path: Path,
+) -> None:
+    bad = sample_at(step=3, micro=1, rank=1)
+    d = tmp_path / "run"
+    fast = {"backoff_s": 0.2, "backoff_max_s": 0.5}
+    policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast,
+              "faults": [{"kind": "crash_sample", "sample": bad}]}  # fmt: skip
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    cmd, _ = train_cmd(d, 2, "--steps", str(STEPS), script=SCRIPT)
+    launch = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
+              "--run-dir", str(d), "--", *cmd]  # fmt: skip
+    r = subprocess_run(launch)
+    assert r.returncode == 0, r.stdout[-4000:]
+    errors = [e for e in kinds(d, "loop_error") if e["attempt"] == 0 and e["rank"] == 1]
+    assert errors and errors[0]["step"] == 3 and errors[0]["details"]["micro"] == 1
+    assert bad in errors[0]["details"]["samples"]
+    (inc,) = kinds(d, "incident")
+    assert inc["details"]["reason"] == "crash" and inc["details"]["samples"] == [bad]
+    states = final_states(d)
+    assert all(s["global_step"] == s["guard_step"] == STEPS for s in states)

@@ -279,9 +279,8 @@ class GuardCallback(Callback):
         assert guard is not None
         if not self._queue:
             trainer = self._trainer
-            self._queue = guard.begin_step(
-                self._loader, trainer.accumulate_grad_batches, trainer.max_steps
-            )
+            n, max_steps = trainer.accumulate_grad_batches, trainer.max_steps
+            self._queue = guard.begin_step(self._loader, n, max_steps, self._rerun)
             self.outcome = COMMIT
             _follow_epoch(trainer.fit_loop.epoch_progress, self._tap.epoch)
         guard.begin_micro()
