@@ -144,3 +144,54 @@ def test_a_sample_that_raises_in_the_training_step_is_quarantined_within_3_attem
     assert inc["details"]["reason"] == "crash" and inc["details"]["samples"] == [bad]
     states = final_states(d)
     assert all(s["global_step"] == s["guard_step"] == STEPS for s in states)
+
+
+def test_one_process_with_validation_and_what_is_refused(tmp_path: Path) -> None:
+    import lightning as L
+
+    from orchestrator import UsageError, parse_policy
+    from orchestrator.integrations.lightning import GuardCallback
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    from train_lightning import Points, Regressor
+
+    class Validated(Regressor):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+        def val_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(Points(8), batch_size=4)
+
+    def fit(
+        module: Any, policy: dict[str, Any], where: str, ckpt: Any = None, **options: Any
+    ) -> Any:
+        callback = GuardCallback(parse_policy(policy), run_dir=str(tmp_path / where))
+        args = {"max_steps": 4, "val_check_interval": 4, "accumulate_grad_batches": 2,
+                "gradient_clip_val": 1.0, **options}  # fmt: skip
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, callbacks=[callback], logger=False,
+            enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=str(tmp_path / "out"), **args,
+        )  # fmt: skip
+        trainer.fit(module, ckpt_path=ckpt)
+        return trainer, callback
+
+    # 16 samples: 4 batches an epoch, 2 steps; validation every 4 batches, one checkpoint.
+    trainer, callback = fit(Validated(16), EXACT, "ok")
+    assert trainer.global_step == callback.guard.global_step == 4
+    assert trainer.current_epoch == 2  # the fit ended after the data's epoch 1
+    assert "val_loss" in trainer.callback_metrics
+    assert [p.name for p in (tmp_path / "out").rglob("*.ckpt")] == ["epoch=1-step=4.ckpt"]
+
+    (ckpt,) = (tmp_path / "out").rglob("*.ckpt")
+    with pytest.raises(UsageError, match="resumes by itself"):
+        fit(Regressor(16), EXACT, "from-checkpoint", ckpt=str(ckpt))
+    with pytest.raises(UsageError, match="Lightning clips"):
+        fit(Regressor(16), {**EXACT, "clip": {"max_norm": 1.0}}, "clipped")
+    with pytest.raises(UsageError, match="max_steps"):
+        fit(Regressor(16), EXACT, "epochs", max_steps=-1, max_epochs=1)
+    manual = Regressor(16)
+    manual.automatic_optimization = False
+    with pytest.raises(UsageError, match="manual optimization"):
+        fit(manual, EXACT, "manual", accumulate_grad_batches=1, gradient_clip_val=None)

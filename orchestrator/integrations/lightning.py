@@ -156,6 +156,14 @@ class GuardCallback(Callback):
             callbacks.remove(self)
             callbacks.insert(0, self)
 
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.ckpt_path:
+            raise UsageError(
+                f"GuardCallback: fit(ckpt_path={trainer.ckpt_path!r}): the Guard resumes by "
+                "itself from its run directory's newest durable snapshot (model, optimizer, "
+                "scheduler, Lightning's counters and the data position); drop ckpt_path"
+            )
+
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         self._check(trainer, pl_module)
         self._trainer = trainer
