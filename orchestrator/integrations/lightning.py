@@ -218,6 +218,13 @@ class GuardCallback(Callback):
             )
         if len(trainer.optimizers) != 1 or len(trainer.lr_scheduler_configs) > 1:
             raise UsageError("GuardCallback supports one optimizer and at most one LR scheduler")
+        loaders = trainer.fit_loop._combined_loader.flattened
+        if len(loaders) != 1 or getattr(loaders[0], "batch_sampler", None) is None:
+            raise UsageError(
+                "GuardCallback needs one train DataLoader over a map-style dataset (its sample "
+                "ids are the dataset's indices); an IterableDataset or several loaders are not "
+                "supported yet (docs/lightning.md)"
+            )
 
     def _start(self, trainer: Any) -> None:
         """Build the Guard once Lightning has set up the model, the optimizer, the scheduler
