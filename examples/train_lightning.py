@@ -69,6 +69,27 @@ class Regressor(L.LightningModule):
         return DataLoader(Points(self.samples), batch_size=4, shuffle=True)
 
 
+class ManualRegressor(Regressor):
+    """The same training by hand (manual optimization): 2 micro-batches a step, clipped."""
+
+    def __init__(self, samples: int) -> None:
+        super().__init__(samples)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x).float(), y)
+        self.log("train_loss", loss)
+        self.manual_backward(loss / 2)
+        if (batch_idx + 1) % 2 == 0:
+            self.clip_gradients(opt, gradient_clip_val=1.0)
+            opt.step()
+            opt.zero_grad()
+            sched.step()  # type: ignore[union-attr]
+        return loss
+
+
 class Curve(Logger):
     """What Lightning logs, kept in memory: (step, name, value) for every logged metric."""
 
@@ -97,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=96, help="dataset size")
     ap.add_argument("--plain", action="store_true", help="Lightning alone (no Guard)")
     ap.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    ap.add_argument("--manual", action="store_true", help="manual optimization")
     ap.add_argument("--save-final", help="directory for rank<r>.pt with the final state")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # entry point: ours
@@ -105,14 +127,16 @@ def main(argv: list[str] | None = None) -> int:
     L.seed_everything(0, verbose=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     curve = Curve()
-    guard = None if args.plain else GuardCallback(load_policy())
+    accum = 2  # micro-batches per optimizer step
+    by_hand = {"grad_accum_steps": accum} if args.manual else {}
+    guard = None if args.plain else GuardCallback(load_policy(), **by_hand)
     trainer = L.Trainer(
         accelerator="cpu" if not torch.cuda.is_available() else "auto",
         devices=world,
         strategy="ddp" if world > 1 else "auto",
         max_steps=args.steps,
-        accumulate_grad_batches=2,
-        gradient_clip_val=1.0,
+        accumulate_grad_batches=1 if args.manual else accum,  # by hand in manual mode
+        gradient_clip_val=None if args.manual else 1.0,
         precision="32-true" if args.fp32 else "bf16-mixed",
         callbacks=[guard] if guard is not None else [],
         logger=curve,
@@ -122,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         enable_model_summary=False,
         default_root_dir=tempfile.mkdtemp(prefix="lightning-"),
     )
-    module = Regressor(args.samples)
+    module = (ManualRegressor if args.manual else Regressor)(args.samples)
     trainer.fit(module)
 
     rank = trainer.global_rank

@@ -45,13 +45,19 @@ def run(run_dir: Path, *args: str, policy: dict[str, Any] | None = None) -> list
     return states
 
 
-def test_a_healthy_guarded_run_is_lightning_alone_bit_for_bit(tmp_path: Path) -> None:
-    plain = run(tmp_path / "plain", "--plain")
-    guarded = run(tmp_path / "guarded", policy=EXACT)
+@pytest.mark.parametrize(
+    "mode",
+    ["automatic", pytest.param("manual", marks=pytest.mark.matrix)],
+)
+def test_a_healthy_guarded_run_is_lightning_alone_bit_for_bit(tmp_path: Path, mode: str) -> None:
+    args = ("--manual",) if mode == "manual" else ()
+    plain = run(tmp_path / "plain", "--plain", *args)
+    guarded = run(tmp_path / "guarded", *args, policy=EXACT)
+    logged = STEPS * (2 if mode == "manual" else 1)  # manual: Lightning logs every batch
     for rank, (a, b) in enumerate(zip(plain, guarded, strict=True)):
         # The per-step train loss and epoch Lightning logged (across the epoch boundary),
         # the weights, the optimizer and scheduler state, Lightning's counters.
-        assert [row[0] for row in a["curve"] if row[1] == "train_loss"] == list(range(STEPS))
+        assert [row[0] for row in a["curve"] if row[1] == "train_loss"] == list(range(logged))
         for key in STATE:
             assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
         assert b["global_step"] == b["guard_step"] == STEPS
@@ -66,13 +72,20 @@ def sample_at(step: int, micro: int, rank: int, position: int = 1) -> int:
     return int(mine[(step * 2 + micro) * 4 + position])
 
 
-def test_a_poison_sample_is_quarantined_and_a_transient_nan_rolled_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "mode",
+    ["automatic", pytest.param("manual", marks=pytest.mark.matrix)],
+)
+def test_a_poison_sample_is_quarantined_and_a_transient_nan_rolled_back(
+    tmp_path: Path, mode: str
+) -> None:
     bad = sample_at(step=3, micro=1, rank=1)
     faults = [
         {"kind": "poison_sample", "sample": bad},
         {"kind": "inf_loss", "step": 5, "rank": 0, "micro": 0},
     ]
-    faulty = run(tmp_path / "faulty", policy={**EXACT, "faults": faults})
+    args = ("--manual",) if mode == "manual" else ()
+    faulty = run(tmp_path / "faulty", *args, policy={**EXACT, "faults": faults})
     poison, transient = kinds(tmp_path / "faulty", "incident")
     assert poison["step"] == 3 and poison["details"]["cause"] == "data"
     assert transient["step"] == 5 and transient["details"]["why"] == "not_reproduced"
@@ -81,7 +94,7 @@ def test_a_poison_sample_is_quarantined_and_a_transient_nan_rolled_back(tmp_path
     assert [r["details"]["to_step"] for r in kinds(tmp_path / "faulty", "rollback")] == [2, 4]
 
     pre = prequarantined(tmp_path, [bad])
-    clean = run(pre, policy=EXACT)
+    clean = run(pre, *args, policy=EXACT)
     assert not kinds(pre, "incident")
     for rank, (a, b) in enumerate(zip(clean, faulty, strict=True)):
         # Refused steps were never logged nor counted: the curve and Lightning's counters
@@ -166,7 +179,8 @@ def test_one_process_with_validation_and_what_is_refused(tmp_path: Path) -> None
     def fit(
         module: Any, policy: dict[str, Any], where: str, ckpt: Any = None, **options: Any
     ) -> Any:
-        callback = GuardCallback(parse_policy(policy), run_dir=str(tmp_path / where))
+        run_dir, accum = str(tmp_path / where), options.pop("grad_accum_steps", None)
+        callback = GuardCallback(parse_policy(policy), run_dir=run_dir, grad_accum_steps=accum)
         args = {"max_steps": 4, "val_check_interval": 4, "accumulate_grad_batches": 2,
                 "gradient_clip_val": 1.0, **options}  # fmt: skip
         trainer = L.Trainer(
@@ -191,7 +205,5 @@ def test_one_process_with_validation_and_what_is_refused(tmp_path: Path) -> None
         fit(Regressor(16), {**EXACT, "clip": {"max_norm": 1.0}}, "clipped")
     with pytest.raises(UsageError, match="max_steps"):
         fit(Regressor(16), EXACT, "epochs", max_steps=-1, max_epochs=1)
-    manual = Regressor(16)
-    manual.automatic_optimization = False
-    with pytest.raises(UsageError, match="manual optimization"):
-        fit(manual, EXACT, "manual", accumulate_grad_batches=1, gradient_clip_val=None)
+    with pytest.raises(UsageError, match="is for manual optimization"):
+        fit(Regressor(16), EXACT, "accum", grad_accum_steps=2)

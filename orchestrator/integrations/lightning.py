@@ -25,98 +25,28 @@ logging; the callback hooks in at the start of training (docs/dev/issue-32-desig
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
-from torch.utils.data import Sampler
 
 from orchestrator.engines.framework import FrameworkEngine
 from orchestrator.errors import UsageError
 from orchestrator.guard import COMMIT, INCIDENT, Guard
+from orchestrator.integrations.lightning_parts import (
+    _Counters,
+    _follow_epoch,
+    _Manual,
+    _Tap,
+    _Ticket,
+    _Tickets,
+)
 from orchestrator.policy import Policy, load_policy
 
 __all__ = ["GuardCallback"]
-
-
-class _Ticket:
-    """A placeholder Lightning fetches instead of a batch: the batch is taken from the Guard
-    only when Lightning runs it (its fetcher reads one ahead)."""
-
-
-class _Tickets:
-    """Endless tickets (no length: Lightning's loop ends at ``max_steps``)."""
-
-    def __iter__(self) -> Iterator[_Ticket]:
-        while True:
-            yield _Ticket()
-
-
-class _Tap(Sampler[int]):
-    """This rank's sample indices, epoch by epoch, in the order Lightning's prepared train
-    loader yields them (its batch sampler, over the ``DistributedSampler`` Lightning put in,
-    told the epoch as Lightning tells it), flattened. Indices only."""
-
-    def __init__(self, loader: Any) -> None:
-        self.loader, self.epoch = loader, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self) -> Iterator[int]:
-        batch_sampler = self.loader.batch_sampler
-        samplers: tuple[Any, ...] = (self.loader.sampler, getattr(batch_sampler, "sampler", None))
-        for sampler in samplers:
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self.epoch)
-        for batch in batch_sampler:
-            yield from (int(i) for i in batch)
-
-    def __len__(self) -> int:
-        return len(self.loader.batch_sampler) * int(self.loader.batch_size)
-
-
-class _Counters:
-    """Lightning's fit counters, kept in every snapshot and restored in place (never
-    through Lightning's own resume path, which marks its loops as restarting)."""
-
-    def __init__(self, trainer: Any) -> None:
-        self.trainer = trainer
-        self.restored: dict[str, Any] | None = None
-
-    def _parts(self) -> dict[str, Any]:
-        fit = self.trainer.fit_loop
-        loop = fit.epoch_loop
-        return {
-            "epoch_progress": fit.epoch_progress,
-            "batch_progress": loop.batch_progress,
-            "scheduler_progress": loop.scheduler_progress,
-            "optim_progress": loop.automatic_optimization.optim_progress,
-            "optim_step_progress": loop.manual_optimization.optim_step_progress,
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        state = {name: part.state_dict() for name, part in self._parts().items()}
-        state["batches_that_stepped"] = int(self.trainer.fit_loop.epoch_loop._batches_that_stepped)
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.restored = state
-        self.apply(state)
-
-    def apply(self, state: dict[str, Any], counted: int = 0) -> None:
-        """Put the counters at ``state``, less ``counted`` batch completions (and stepped
-        batches) that Lightning is about to count after the hook running this."""
-        for name, part in self._parts().items():
-            part.load_state_dict(state[name])
-        loop = self.trainer.fit_loop.epoch_loop
-        for tracker in (loop.batch_progress.total, loop.batch_progress.current):
-            tracker.completed -= counted
-        loop.batch_progress.is_last_batch = False
-        loop._batches_that_stepped = int(state["batches_that_stepped"]) - counted
 
 
 class GuardCallback(Callback):
@@ -131,10 +61,17 @@ class GuardCallback(Callback):
     """
 
     def __init__(
-        self, policy: Policy | None = None, *, run_dir: str | None = None, fresh: bool = False
+        self,
+        policy: Policy | None = None,
+        *,
+        run_dir: str | None = None,
+        fresh: bool = False,
+        grad_accum_steps: int | None = None,
     ) -> None:
         self.policy = policy if policy is not None else load_policy()
         self.where = (run_dir, fresh)
+        self.accum = grad_accum_steps  # manual optimization: micro-batches per step
+        self._manual: _Manual | None = None
         self.guard: Guard | None = None
         self.outcome = COMMIT
         self._trainer: Any = None
@@ -179,6 +116,8 @@ class GuardCallback(Callback):
             # Lightning counted the refused step after the rollback; it counts one more
             # completed batch (and one stepped) after this hook.
             self._counters.apply(restored, counted=1)
+        if self._manual is not None:
+            self._manual.after_refused()  # the scheduler step training_step took after it
         trainer.fit_loop.epoch_loop._skip_next_val = True  # validated at the count already
 
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
@@ -193,10 +132,10 @@ class GuardCallback(Callback):
 
     # ---------------------------------------------------------------- the Guard ---------
     def _check(self, trainer: Any, pl_module: Any) -> None:
-        if not pl_module.automatic_optimization:
+        if pl_module.automatic_optimization and self.accum not in (None, 1):
             raise UsageError(
-                "GuardCallback supports automatic optimization only; manual optimization "
-                "(automatic_optimization = False) is not supported yet (docs/lightning.md)"
+                f"GuardCallback(grad_accum_steps={self.accum}) is for manual optimization; "
+                "with automatic optimization set Trainer(accumulate_grad_batches=...)"
             )
         if self.policy.clip.max_norm is not None:
             raise UsageError(
@@ -236,14 +175,17 @@ class GuardCallback(Callback):
         strategy = trainer.strategy
         backward = strategy.backward
         self._backward_args = (optimizer,)
+        scheduler = configs[0].scheduler if configs else None
         engine = FrameworkEngine(
             strategy.model,
             optimizer,
-            configs[0].scheduler if configs else None,
+            scheduler,
             backward=lambda loss: backward(loss, *self._backward_args),
-            grad_accum_steps=trainer.accumulate_grad_batches,
+            grad_accum_steps=self.accum or trainer.accumulate_grad_batches,
         )
         self._counters = _Counters(trainer)
+        if not trainer.lightning_module.automatic_optimization:
+            self._manual = _Manual(trainer, self._counters, optimizer, scheduler)
         run_dir, fresh = self.where
         guard = Guard(
             self.policy,
@@ -294,7 +236,7 @@ class GuardCallback(Callback):
         assert guard is not None
         if not self._queue:
             trainer = self._trainer
-            n, max_steps = trainer.accumulate_grad_batches, trainer.max_steps
+            n, max_steps = guard.engine.micro_steps_per_step, trainer.max_steps
             self._queue = guard.begin_step(self._loader, n, max_steps, self._rerun)
             self.outcome = COMMIT
             _follow_epoch(trainer.fit_loop.epoch_progress, self._tap.epoch)
@@ -319,6 +261,8 @@ class GuardCallback(Callback):
         own with these arguments); a micro-batch before the last is done after it."""
         guard = self.guard
         assert guard is not None
+        if self._manual is not None and self._manual.rerunning:
+            return self._manual.took(loss)  # the Guard runs the re-run's backward
         self._backward_args = (optimizer, *args)
         guard.backward(loss)
         if not guard.last_micro:
@@ -330,17 +274,25 @@ class GuardCallback(Callback):
         """The optimizer's ``step(closure)`` as Lightning calls it on the last micro-batch:
         the closure, then ``guard.step()`` (commit applies the optimizer; an incident is
         investigated here and rolled back, and Lightning's step is then refused)."""
-        guard = self.guard
+        guard, manual = self.guard, self._manual
         assert guard is not None
         result = None
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
-        outcome = guard.step()
-        if outcome == INCIDENT:
-            guard.run_reruns(self._rerun)
+        if manual is not None and manual.rerunning:
+            return result  # a re-run's opt.step() in training_step: the Guard judges it
+        # Manual optimization steps inside training_step, under its autocast: the Guard's
+        # own arithmetic (health checks) runs without it, the re-runs under their own.
+        device = self._trainer.strategy.root_device.type
+        with torch.autocast(device, enabled=False):
+            outcome = guard.step()
+            if outcome == INCIDENT:
+                guard.run_reruns(self._rerun)
         guard.end_micro()
         self.outcome = outcome
+        if manual is not None and outcome != COMMIT:
+            manual.rolled_back()
         return result
 
     def _rerun(self, batch: Any) -> torch.Tensor:
@@ -354,6 +306,8 @@ class GuardCallback(Callback):
         batch = call._call_strategy_hook(trainer, "batch_to_device", batch, dataloader_idx=0)
         loop = trainer.fit_loop.epoch_loop
         kwargs = loop._build_kwargs(OrderedDict(), batch, loop.batch_idx)
+        if self._manual is not None:
+            return self._manual.rerun(kwargs.values())
         out = call._call_strategy_hook(trainer, "training_step", *kwargs.values())
         loss = out["loss"] if isinstance(out, dict) else out
         return loss / trainer.accumulate_grad_batches
@@ -373,17 +327,6 @@ def _scheduled(
 
     optimizer_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     return optimizer_step
-
-
-def _follow_epoch(progress: Any, epoch: int) -> None:
-    """Lightning's epoch counter (``current_epoch``, logged as ``epoch``) at the data epoch
-    the step's samples come from, as Lightning counts an epoch under way (started, not yet
-    processed): its one endless epoch of tickets spans the Guard's data epochs."""
-    if progress.current.completed == epoch:
-        return
-    for tracker in (progress.total, progress.current):
-        tracker.ready = tracker.started = epoch + 1
-        tracker.processed = tracker.completed = epoch
 
 
 def _unless_refused(callback: GuardCallback, fn: Callable[..., Any]) -> Callable[..., Any]:
