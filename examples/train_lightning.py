@@ -2,6 +2,7 @@
 DDP, gradient accumulation, clipping, bf16, an LR scheduler stepped every optimizer step.
 
     torchrun --nproc-per-node 2 examples/train_lightning.py --steps 8
+    python examples/train_lightning.py --devices 2 --steps 8  # Lightning starts rank 1
     orchestrator launch --nproc-per-node 2 examples/train_lightning.py --steps 8
 
 The whole change to the script is one callback: ``GuardCallback(load_policy())`` in the
@@ -119,13 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain", action="store_true", help="Lightning alone (no Guard)")
     ap.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     ap.add_argument("--manual", action="store_true", help="manual optimization")
+    ap.add_argument(
+        "--devices", type=int, default=1, help="without torchrun: Lightning starts this many"
+    )
     ap.add_argument("--save-final", help="directory for rank<r>.pt with the final state")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")  # entry point: ours
     warnings.filterwarnings("ignore", module="lightning")  # its advice on workers and logs
 
     L.seed_everything(0, verbose=False)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE", args.devices))
     curve = Curve()
     accum = 2  # micro-batches per optimizer step
     by_hand = {"grad_accum_steps": accum} if args.manual else {}

@@ -72,6 +72,18 @@ def sample_at(step: int, micro: int, rank: int, position: int = 1) -> int:
     return int(mine[(step * 2 + micro) * 4 + position])
 
 
+@pytest.mark.matrix
+def test_lightning_s_own_launch_of_its_ranks_is_guarded_alike(tmp_path: Path) -> None:
+    plain = run(tmp_path / "plain", "--plain")
+    d = tmp_path / "own"
+    r = train(d, 1, "--devices", "2", "--steps", str(STEPS), policy=EXACT, script=SCRIPT)
+    assert r.returncode == 0, r.stdout[-4000:]
+    for rank, (a, b) in enumerate(zip(plain, final_states(d), strict=True)):
+        for key in STATE:
+            assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
+        assert b["guard_step"] == STEPS
+
+
 @pytest.mark.parametrize(
     "mode",
     ["automatic", pytest.param("manual", marks=pytest.mark.matrix)],

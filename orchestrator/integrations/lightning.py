@@ -16,6 +16,9 @@ logging; the callback hooks in at the start of training (docs/dev/issue-32-desig
   closure (training step, backward, ``on_before_optimizer_step``, clipping), then
   ``guard.step()``: a commit applies the optimizer; an incident is investigated right there
   (isolation re-runs through Lightning's ``training_step``) and rolled back.
+- Manual optimization (``GuardCallback(grad_accum_steps=N)``): the same, with the user's
+  ``opt.step()`` inside ``training_step`` judged, and re-runs of ``training_step`` whose
+  ``manual_backward`` loss the Guard takes (``lightning_parts._Manual``).
 - After a refused step Lightning's scheduler step and its logging of the step are skipped,
   and its counters (``global_step``, ``batch_progress``, ``_batches_that_stepped``, …) are put
   back in ``on_train_batch_end`` where the rollback left them (Lightning counted the step);
@@ -58,6 +61,8 @@ class GuardCallback(Callback):
             unset: Lightning clips (``gradient_clip_val``).
         run_dir: the run directory (default $ORCHESTRATOR_RUN_DIR, else a fresh one).
         fresh: start a new run even if the run directory holds one.
+        grad_accum_steps: manual optimization only: the micro-batches (``training_step``
+            calls) per optimizer step, the last of which calls ``opt.step()``.
     """
 
     def __init__(
