@@ -1,5 +1,6 @@
 """A standard ``transformers.Trainer`` script under the Guard: a tiny Llama (random init,
-nothing downloaded) on synthetic tokens, gradient accumulation, clipping, bf16.
+nothing downloaded) on synthetic tokens, gradient accumulation, clipping, bf16, evaluation
+every 4 steps.
 
     torchrun --nproc-per-node 2 examples/train_hf_trainer.py --steps 8
     orchestrator launch --nproc-per-node 2 examples/train_hf_trainer.py --steps 8
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         learning_rate=3e-3,
         max_grad_norm=1.0,
         logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=4,
         save_strategy="no",
         report_to=[],
         use_cpu=not torch.cuda.is_available(),
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         disable_tqdm=True,
     )
     common: dict[str, Any] = {"model": model(), "args": training}
-    common["train_dataset"] = Tokens(args.samples)
+    common["train_dataset"], common["eval_dataset"] = Tokens(args.samples), Tokens(16)
     if args.plain:
         trainer: Trainer = Trainer(**common)
     else:

@@ -38,6 +38,19 @@ class FrameworkSteps(StepInternals):
     _step_rng: tuple[torch.Tensor, Any] | None
     _queued: list[list[int]]  # the sample ids of each micro-batch begin_step returned
 
+    # A stop (SIGTERM on some rank) agreed at a step's check waits for the next begin_step:
+    # the framework finishes its step first (its scheduler step, its counters, its logging),
+    # so the durable snapshot holds the step whole. Class defaults: guard.batches loops stop
+    # at once, as before.
+    _framework = False  # begin_step drives this Guard
+    _stop_due = False
+
+    def _stop(self) -> None:
+        if self._framework:
+            self._stop_due = True
+        else:
+            super()._stop()
+
     def _open_run(self, max_steps: int) -> None:
         """Before the first batch of this process: resume if there is something to resume
         from, and hold the initial snapshot."""
@@ -76,7 +89,11 @@ class FrameworkSteps(StepInternals):
                 "fewer would put the framework's accumulation counter out of phase"
             )
         self.cursor.check_loader(loader)
+        self._framework = True
         self._open_run(max_steps)
+        if self._stop_due:
+            self._stop_due = False
+            super()._stop()  # raises Preempted
         step = self.global_step
         if step % self.intervals.snapshot_steps == 0 and not self.ring.has(step):
             self.keeper.capture(step)

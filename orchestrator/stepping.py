@@ -146,8 +146,12 @@ class StepInternals:
             outcome = INCIDENT
         if c.stop and not self.investigation.active and self.recovery.open is None:
             # Some rank was asked to stop: all stop here, together.
-            self.lifecycle.preempt(self.global_step)
+            self._stop()
         return outcome
+
+    def _stop(self) -> None:
+        """Stop the run together now: a durable snapshot, then ``Preempted``."""
+        self.lifecycle.preempt(self.global_step)
 
     def _commit(self, outcome: str, loss: float, grad_norm: float, lr_multiplier: float) -> str:
         max_norm, coef = self.policy.clip.max_norm, None

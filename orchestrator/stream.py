@@ -284,6 +284,9 @@ class StreamSource:
         )
         self._it: Iterator[Any] | None = None
         self._fresh = False  # the iterator has yielded nothing yet
+        # The next iterator starts from a restored position, which may be its epoch's very
+        # end (a snapshot taken there): an empty first iterator then ends that epoch.
+        self._restored = False
         # The step's samples by id, for re-runs: the sample itself (a user collate_fn), or
         # (the collated batch, its row) with the default collate.
         self._samples: dict[int, Any] = {}
@@ -320,11 +323,20 @@ class StreamSource:
             )
         self.loader.load_state_dict(local["loader"])
         self._seen = int(local["seen"])
-        self._it = None
+        self._it, self._restored = None, True
 
     def open(self, ledger_url: str) -> None:
         if self._it is None:
-            self._it, self._fresh = iter(self.loader), True
+            if self._restored:
+                # Making an iterator draws its workers' base seed from torch's global
+                # generator; the run this replays drew none here (it went on with its
+                # iterator), so this one draws none either: later dropout masks stay its.
+                rng = torch.get_rng_state()
+                self._it = iter(self.loader)
+                torch.set_rng_state(rng)
+            else:
+                self._it = iter(self.loader)
+            self._fresh, self._restored = not self._restored, False
 
     def fetch(self) -> tuple[list[int], Any, None] | None:
         assert self._it is not None

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from inproc import Regression, events, train
+from torch.utils.data import SequentialSampler
 
 from conftest import assert_bitwise_equal, prequarantined
 from orchestrator import Guard, UsageError, parse_policy
@@ -24,7 +25,9 @@ GA, STEPS = 2, 12
 EXACT = {"adjust": {"lr_factor": 1.0}, "snapshot": {"every_steps": 2}}
 
 
-def framework_train(run_dir: Path, policy: dict[str, Any]) -> tuple[Guard, dict[str, Any]]:
+def framework_train(
+    run_dir: Path, policy: dict[str, Any], samples: int = 256, sampler: bool = False
+) -> tuple[Guard, dict[str, Any]]:
     """inproc.train's model, data and schedule, in the shape of Trainer's loop: fetch the
     step's micro-batches, run each (the loop divides the loss), then step the scheduler and
     zero the gradients itself after the Guard applied the optimizer."""
@@ -38,7 +41,11 @@ def framework_train(run_dir: Path, policy: dict[str, Any]) -> tuple[Guard, dict[
         model, opt, sched, backward=lambda loss: loss.backward(), grad_accum_steps=GA
     )
     guard = Guard(parse_policy(policy), engine=engine, run_dir=str(run_dir))
-    loader = guard.dataloader(Regression(), batch_size=8, seed=1)
+    data = Regression(samples)
+    if sampler:  # the user's sampler: a StatefulDataLoader, its position per rank
+        loader = guard.dataloader(data, batch_size=8, sampler=SequentialSampler(data))
+    else:
+        loader = guard.dataloader(data, batch_size=8, seed=1)
 
     def forward(batch: Any) -> torch.Tensor:
         x, y = batch
@@ -100,3 +107,18 @@ def test_begin_step_refuses_a_short_step(tmp_path: Path) -> None:
             guard.begin_micro()
     finally:
         guard.close()
+
+
+def test_a_rollback_to_an_epoch_s_very_end_resumes_with_the_next_epoch(tmp_path: Path) -> None:
+    # 64 samples in batches of 8, 2 per step: an epoch is 4 steps, and the snapshot of step
+    # 4 is at epoch 0's very end. A NaN in step 5 rolls back to it; the restored loader
+    # yields nothing, which ends that epoch (it used to say the data had no full batch).
+    _, clean = framework_train(tmp_path / "clean", {**EXACT, "snapshot": {"every_steps": 4}},
+                               samples=64, sampler=True)  # fmt: skip
+    fault = {"kind": "inf_loss", "step": 5}
+    policy = {**EXACT, "snapshot": {"every_steps": 4}, "faults": [fault]}
+    guard, faulty = framework_train(tmp_path / "faulty", policy, samples=64, sampler=True)
+    assert guard.rollbacks == 1 and guard.global_step == STEPS
+    (rollback,) = events(tmp_path / "faulty", "rollback")
+    assert rollback["details"]["to_step"] == 4
+    assert_bitwise_equal(clean, faulty)

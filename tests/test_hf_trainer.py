@@ -1,6 +1,7 @@
 """``transformers.Trainer`` under the Guard (orchestrator/integrations/hf.py), 2 ranks, gloo,
 through examples/train_hf_trainer.py: the real Trainer with its own loader, gradient
-accumulation 2, clipping, bf16 on CPU, a tiny Llama; 8 steps over 1.33 epochs."""
+accumulation 2, clipping, bf16 on CPU, evaluation every 4 steps, a tiny Llama; 8 steps over
+1.33 epochs."""
 
 from __future__ import annotations
 
@@ -48,7 +49,9 @@ def test_a_healthy_guarded_run_is_trainer_alone_bit_for_bit(tmp_path: Path) -> N
     for rank, (a, b) in enumerate(zip(plain, guarded, strict=True)):
         # The losses, grad norms, LRs and epochs Trainer logged at every step, the weights
         # and the optimizer state.
-        assert len(a["log_history"]) == STEPS + 1  # one entry a step, then the summary
+        # One entry a step, an evaluation every 4 steps, then the summary.
+        assert len(a["log_history"]) == STEPS + STEPS // 4 + 1
+        assert [e["step"] for e in a["log_history"] if "eval_loss" in e] == [4, 8]
         for key in ("model", "optim", "log_history", "global_step"):
             assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
         assert b["global_step"] == b["guard_step"] == STEPS
@@ -95,8 +98,9 @@ def test_a_sigkilled_rank_restarts_under_launch_and_resumes_bit_for_bit(tmp_path
     plain = run(tmp_path / "plain", "--plain")
     d = tmp_path / "run"
     fast = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
-    policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast,
-              "faults": [{"kind": "crash", "step": 5, "rank": 1}]}  # fmt: skip
+    # The crash waits for the step-4 snapshot's write, so the resume step is known.
+    crash = {"kind": "crash", "step": 5, "rank": 1, "after_persist": True}
+    policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast, "faults": [crash]}
     path = tmp_path / "policy.yaml"
     path.write_text(yaml.safe_dump(policy))
     cmd, _ = train_cmd(d, 2, "--steps", str(STEPS), script=SCRIPT)
@@ -174,3 +178,22 @@ def test_guarded_makes_any_trainer_subclass_guarded_in_one_process(tmp_path: Pat
     assert t.state.global_step == t.guard.global_step == 3
     with pytest.raises(UsageError, match="Trainer clips"):
         trainer({**EXACT, "clip": {"max_norm": 1.0}}, "clipped").train()
+
+
+@pytest.mark.matrix
+def test_a_preempted_run_resumes_bit_for_bit_with_the_same_command(tmp_path: Path) -> None:
+    plain = run(tmp_path / "plain", "--plain")
+    d = tmp_path / "run"
+    policy = {**EXACT, "faults": [{"kind": "preempt", "step": 5, "rank": 1}]}
+    r = train(d, 2, "--steps", str(STEPS), policy=policy, script=SCRIPT)
+    assert r.returncode != 0, r.stdout[-3000:]
+    # The stop agreed at step 5's check waits for Trainer to finish that step (its scheduler
+    # step, counters and log): the snapshot is of step 6's start, the step held whole.
+    (pre,) = kinds(d, "preempted")
+    assert pre["details"]["persisted"] and pre["details"]["durable_step"] == 6
+    resumed = run(d, policy=policy)  # the same command: resumes, the fault already fired
+    (resume,) = kinds(d, "resume")
+    assert resume["details"]["snapshot_step"] == 6
+    for rank, (a, b) in enumerate(zip(plain, resumed, strict=True)):
+        for key in ("model", "optim", "log_history", "global_step"):
+            assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
