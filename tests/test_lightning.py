@@ -219,3 +219,23 @@ def test_one_process_with_validation_and_what_is_refused(tmp_path: Path) -> None
         fit(Regressor(16), EXACT, "epochs", max_steps=-1, max_epochs=1)
     with pytest.raises(UsageError, match="is for manual optimization"):
         fit(Regressor(16), EXACT, "accum", grad_accum_steps=2)
+
+
+@pytest.mark.matrix
+def test_a_preempted_run_resumes_bit_for_bit_with_the_same_command(tmp_path: Path) -> None:
+    plain = run(tmp_path / "plain", "--plain")
+    d = tmp_path / "run"
+    policy = {**EXACT, "faults": [{"kind": "preempt", "step": 5, "rank": 1}]}
+    r = train(d, 2, "--steps", str(STEPS), policy=policy, script=SCRIPT)
+    assert r.returncode != 0, r.stdout[-3000:]
+    # The stop agreed at step 5's check waits for Lightning to finish that step (its
+    # scheduler step, counters and log): the snapshot is of step 6's start.
+    (pre,) = kinds(d, "preempted")
+    assert pre["details"]["persisted"] and pre["details"]["durable_step"] == 6
+    resumed = run(d, policy=policy)  # the same command: resumes, the fault already fired
+    (resume,) = kinds(d, "resume")
+    assert resume["details"]["snapshot_step"] == 6
+    for rank, (a, b) in enumerate(zip(plain, resumed, strict=True)):
+        assert_bitwise_equal([row for row in a["curve"] if row[0] >= 6], b["curve"], "curve")
+        for key in ("model", "optim", "sched", "global_step", "batches_that_stepped"):
+            assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")

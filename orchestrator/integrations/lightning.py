@@ -27,6 +27,8 @@ logging; the callback hooks in at the start of training (docs/dev/issue-32-desig
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -188,6 +190,7 @@ class GuardCallback(Callback):
             backward=lambda loss: backward(loss, *self._backward_args),
             grad_accum_steps=self.accum or trainer.accumulate_grad_batches,
         )
+        _own_sigterm(trainer)
         self._counters = _Counters(trainer)
         if not trainer.lightning_module.automatic_optimization:
             self._manual = _Manual(trainer, self._counters, optimizer, scheduler)
@@ -332,6 +335,19 @@ def _scheduled(
 
     optimizer_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     return optimizer_step
+
+
+def _own_sigterm(trainer: Any) -> None:
+    """SIGTERM back to the handler before Lightning's, which the Guard's then chains: the
+    Guard stops all ranks together at a step boundary (a durable snapshot, ``Preempted``).
+    Lightning's handler would stop the signalled rank alone, after a broadcast of its own
+    from inside the handler (collectives out of step with the other ranks: a hang).
+    Lightning puts its original handlers back at its teardown."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    original = trainer._signal_connector._original_handlers.get(signal.SIGTERM)
+    if original is not None:
+        signal.signal(signal.SIGTERM, original)
 
 
 def _unless_refused(callback: GuardCallback, fn: Callable[..., Any]) -> Callable[..., Any]:
