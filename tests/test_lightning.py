@@ -124,8 +124,10 @@ def test_a_sigkilled_rank_restarts_under_launch_and_resumes_bit_for_bit(tmp_path
     plain = run(tmp_path / "plain", "--plain")
     d = tmp_path / "run"
     fast = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
-    policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast,
-              "faults": [{"kind": "crash", "step": 5, "rank": 1}]}  # fmt: skip
+    # Rank 0 commits the durable snapshots: it crashes once step 4's is committed, so the
+    # restart resumes from it whatever the machine's load.
+    crash = {"kind": "crash", "step": 5, "rank": 0, "after_persist": True}
+    policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast, "faults": [crash]}
     path = tmp_path / "policy.yaml"
     path.write_text(yaml.safe_dump(policy))
     cmd, _ = train_cmd(d, 2, "--steps", str(STEPS), script=SCRIPT)
@@ -208,6 +210,9 @@ def test_one_process_with_validation_and_what_is_refused(tmp_path: Path) -> None
     assert trainer.global_step == callback.guard.global_step == 4
     assert trainer.current_epoch == 2  # the fit ended after the data's epoch 1
     assert "val_loss" in trainer.callback_metrics
+    # Lightning's own train loader is back after the fit, as it prepared it.
+    assert isinstance(trainer.train_dataloader, torch.utils.data.DataLoader)
+    assert trainer.num_training_batches == 4
     assert [p.name for p in (tmp_path / "out").rglob("*.ckpt")] == ["epoch=1-step=4.ckpt"]
 
     (ckpt,) = (tmp_path / "out").rglob("*.ckpt")

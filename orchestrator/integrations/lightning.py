@@ -23,6 +23,7 @@ logging; the callback hooks in at the start of training (docs/dev/issue-32-desig
   and its counters (``global_step``, ``batch_progress``, ``_batches_that_stepped``, …) are put
   back in ``on_train_batch_end`` where the rollback left them (Lightning counted the step);
   they ride in every snapshot (user state ``lightning``), so a restart resumes them too.
+- SIGTERM is the Guard's during the fit (all ranks stop together at a step boundary).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ from orchestrator.integrations.lightning_parts import (
 from orchestrator.policy import Policy, load_policy
 
 __all__ = ["GuardCallback"]
+
+_ABSENT = object()  # an attribute the object did not hold itself (a method of its class)
 
 
 class GuardCallback(Callback):
@@ -86,7 +89,7 @@ class GuardCallback(Callback):
         self._tap: Any = None
         self._queue: list[Any] = []
         self._backward_args: tuple[Any, ...] = ()
-        self._undo: list[tuple[Any, str]] = []
+        self._undo: list[tuple[Any, str, Any]] = []
         self._counters: _Counters | None = None
         self._logged_to = 0  # the logger steps logged so far (never logged twice)
 
@@ -212,10 +215,10 @@ class GuardCallback(Callback):
             num_workers=loader.num_workers,
         )
         # Lightning iterates tickets from here on (one endless epoch; max_steps ends it).
-        fit._combined_loader = CombinedLoader(_Tickets(), "max_size_cycle")
+        self._hook(fit, "_combined_loader", CombinedLoader(_Tickets(), "max_size_cycle"))
         fit._data_fetcher.setup(fit._combined_loader)
         iter(fit._data_fetcher)
-        fit.max_batches = float("inf")
+        self._hook(fit, "max_batches", float("inf"))
         self._hook(trainer.precision_plugin, "convert_input", self._convert_input)
         self._hook(strategy, "backward", self._backward)
         self._hook(optimizer, "step", _scheduled(optimizer.step, self._optimizer_step, engine))
@@ -224,13 +227,17 @@ class GuardCallback(Callback):
         connector = trainer._logger_connector
         self._hook(connector, "update_train_step_metrics", self._log_step)
 
-    def _hook(self, obj: Any, name: str, fn: Any) -> None:
-        setattr(obj, name, fn)  # an instance attribute shadows the method
-        self._undo.append((obj, name))
+    def _hook(self, obj: Any, name: str, value: Any) -> None:
+        """Set ``obj.name`` until the fit ends (an instance attribute shadows a method)."""
+        self._undo.append((obj, name, vars(obj).get(name, _ABSENT)))
+        setattr(obj, name, value)
 
     def _release(self) -> None:
-        for obj, name in reversed(self._undo):
-            if name in vars(obj):
+        """Lightning's objects as they were (the train loader Lightning prepared too)."""
+        for obj, name, before in reversed(self._undo):
+            if before is not _ABSENT:
+                setattr(obj, name, before)
+            elif name in vars(obj):
                 delattr(obj, name)
         self._undo = []
 
