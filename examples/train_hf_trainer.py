@@ -22,7 +22,15 @@ from typing import Any
 
 import torch
 from torch.utils.data import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Trainer,
+    TrainingArguments,
+)
 
 from orchestrator import load_policy
 from orchestrator.integrations.hf import GuardedTrainer
@@ -46,8 +54,14 @@ class Tokens(Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def model() -> LlamaForCausalLM:
+def model(arch: str = "llama") -> PreTrainedModel:
+    """Llama (no dropout) or GPT-2 (dropout 0.1: each replay must draw the masks the run
+    it replays drew)."""
     torch.manual_seed(0)
+    if arch == "gpt2":
+        return GPT2LMHeadModel(
+            GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ)
+        )
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -65,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--samples", type=int, default=96, help="dataset size")
     ap.add_argument("--plain", action="store_true", help="Trainer alone (no Guard)")
+    ap.add_argument("--arch", choices=["llama", "gpt2"], default="llama")
     ap.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     ap.add_argument("--save-final", help="directory for rank<r>.pt with the final state")
     args = ap.parse_args(argv)
@@ -87,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=0,
         disable_tqdm=True,
     )
-    common: dict[str, Any] = {"model": model(), "args": training}
+    common: dict[str, Any] = {"model": model(args.arch), "args": training}
     common["train_dataset"], common["eval_dataset"] = Tokens(args.samples), Tokens(16)
     if args.plain:
         trainer: Trainer = Trainer(**common)

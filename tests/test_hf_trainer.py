@@ -1,7 +1,7 @@
 """``transformers.Trainer`` under the Guard (orchestrator/integrations/hf.py), 2 ranks, gloo,
 through examples/train_hf_trainer.py: the real Trainer with its own loader, gradient
-accumulation 2, clipping, bf16 on CPU, evaluation every 4 steps, a tiny Llama; 8 steps over
-1.33 epochs."""
+accumulation 2, clipping, bf16 on CPU, evaluation every 4 steps, a tiny GPT-2 (dropout); 8
+steps over 1.33 epochs."""
 
 from __future__ import annotations
 
@@ -28,12 +28,14 @@ pytestmark = pytest.mark.timeout(300)
 
 SCRIPT = REPO / "examples" / "train_hf_trainer.py"
 STEPS = 8
+# GPT-2 has dropout: every replay must draw the masks the run it replays drew.
+ARGS = ("--steps", str(STEPS), "--arch", "gpt2")
 # LR kept after an incident, so a rolled-back run can end where a clean one does.
 EXACT: dict[str, Any] = {"adjust": {"lr_factor": 1.0}, "snapshot": {"every_steps": 2}}
 
 
 def run(run_dir: Path, *args: str, policy: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    r = train(run_dir, 2, "--steps", str(STEPS), *args, policy=policy, script=SCRIPT)
+    r = train(run_dir, 2, *ARGS, *args, policy=policy, script=SCRIPT)
     assert r.returncode == 0, r.stdout[-4000:]
     states = final_states(run_dir)
     assert len(states) == 2
@@ -91,27 +93,25 @@ def test_a_poison_sample_is_quarantined_and_a_transient_nan_rolled_back(tmp_path
         assert b["global_step"] == b["guard_step"] == STEPS
 
 
-# In the full matrix (a supervised restart costs a second start of both ranks); the Guard's
-# own restart path is covered by default in tests/test_drill.py's crash cell.
-@pytest.mark.matrix
 def test_a_sigkilled_rank_restarts_under_launch_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     plain = run(tmp_path / "plain", "--plain")
     d = tmp_path / "run"
     fast = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
-    # The crash waits for the step-4 snapshot's write, so the resume step is known.
+    # The crash waits for this rank's write of the step-4 snapshot.
     crash = {"kind": "crash", "step": 5, "rank": 1, "after_persist": True}
     policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast, "faults": [crash]}
     path = tmp_path / "policy.yaml"
     path.write_text(yaml.safe_dump(policy))
-    cmd, _ = train_cmd(d, 2, "--steps", str(STEPS), script=SCRIPT)
+    cmd, _ = train_cmd(d, 2, *ARGS, script=SCRIPT)
     launch = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
               "--run-dir", str(d), "--", *cmd]  # fmt: skip
     r = subprocess_run(launch)
     assert r.returncode == 0, r.stdout[-4000:]
     (restart,) = kinds(d, "restart")
-    assert restart["details"]["cause"] == "crash" and restart["step"] == 5
+    assert restart["details"]["cause"] == "crash" and restart["step"] == 5, restart
     (resume,) = kinds(d, "resume")
-    assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] == 4
+    # Step 4's write is done on rank 1 when it dies; rank 0 may not have committed it yet.
+    assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] in (2, 4), resume
     for rank, (a, b) in enumerate(zip(plain, final_states(d), strict=True)):
         # Trainer's log too: its entries before the crash came back with the snapshot.
         for key in ("model", "optim", "log_history", "global_step"):
@@ -119,6 +119,8 @@ def test_a_sigkilled_rank_restarts_under_launch_and_resumes_bit_for_bit(tmp_path
         assert b["guard_step"] == STEPS
 
 
+# In the full matrix (three attempts): the crash probe's own path is covered by default in
+# tests/test_crashes.py; here it is driven from begin_step.
 @pytest.mark.matrix
 def test_a_sample_that_raises_in_trainer_s_forward_is_quarantined_within_3_attempts(
     tmp_path: Path,
@@ -130,7 +132,7 @@ def test_a_sample_that_raises_in_trainer_s_forward_is_quarantined_within_3_attem
               "faults": [{"kind": "crash_sample", "sample": bad}]}  # fmt: skip
     path = tmp_path / "policy.yaml"
     path.write_text(yaml.safe_dump(policy))
-    cmd, _ = train_cmd(d, 2, "--steps", str(STEPS), script=SCRIPT)
+    cmd, _ = train_cmd(d, 2, *ARGS, script=SCRIPT)
     launch = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
               "--run-dir", str(d), "--", *cmd]  # fmt: skip
     r = subprocess_run(launch)
@@ -180,12 +182,14 @@ def test_guarded_makes_any_trainer_subclass_guarded_in_one_process(tmp_path: Pat
         trainer({**EXACT, "clip": {"max_norm": 1.0}}, "clipped").train()
 
 
+# In the full matrix (two runs after Trainer alone's): the deferred stop is the default
+# tests' code path up to the stop itself.
 @pytest.mark.matrix
 def test_a_preempted_run_resumes_bit_for_bit_with_the_same_command(tmp_path: Path) -> None:
     plain = run(tmp_path / "plain", "--plain")
     d = tmp_path / "run"
     policy = {**EXACT, "faults": [{"kind": "preempt", "step": 5, "rank": 1}]}
-    r = train(d, 2, "--steps", str(STEPS), policy=policy, script=SCRIPT)
+    r = train(d, 2, *ARGS, policy=policy, script=SCRIPT)
     assert r.returncode != 0, r.stdout[-3000:]
     # The stop agreed at step 5's check waits for Trainer to finish that step (its scheduler
     # step, counters and log): the snapshot is of step 6's start, the step held whole.

@@ -190,6 +190,9 @@ class GuardTrainerMixin:
                 "from its run directory's newest durable snapshot (model, optimizer, scheduler, "
                 "Trainer's counters and the data position); call train() without it"
             )
+        # Each train() call has its own Guard (built at its first step; it resumes from the
+        # run directory like a restart would).
+        self.guard, self._guard_outcome = None, COMMIT
         try:
             out = super().train(None, *args, **kwargs)  # type: ignore[misc]
         except BaseException as err:
