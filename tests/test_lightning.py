@@ -117,15 +117,15 @@ def test_a_poison_sample_is_quarantined_and_a_transient_nan_rolled_back(
     assert torch.isfinite(torch.tensor([row[2] for row in faulty[0]["curve"]])).all()
 
 
-# In the full matrix (a supervised restart costs a second start of both ranks); the Guard's
-# own restart path is covered by default in tests/test_drill.py's crash cell.
-@pytest.mark.matrix
+# By default (an acceptance point of issue 32, as for Trainer and Accelerate), although a
+# supervised restart costs a second start of both ranks.
 def test_a_sigkilled_rank_restarts_under_launch_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     plain = run(tmp_path / "plain", "--plain")
     d = tmp_path / "run"
     fast = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
-    # Rank 0 commits the durable snapshots: it crashes once step 4's is committed, so the
-    # restart resumes from it whatever the machine's load.
+    # Rank 0 crashes at step 5 once its own durable writes are done; step 4's snapshot also
+    # needs rank 1's part, which a loaded machine may not have finished: the restart resumes
+    # from step 4 or, then, step 2 (as tests/test_hf_trainer.py's); either ends bit for bit.
     crash = {"kind": "crash", "step": 5, "rank": 0, "after_persist": True}
     policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast, "faults": [crash]}
     path = tmp_path / "policy.yaml"
@@ -138,11 +138,12 @@ def test_a_sigkilled_rank_restarts_under_launch_and_resumes_bit_for_bit(tmp_path
     (restart,) = kinds(d, "restart")
     assert restart["details"]["cause"] == "crash" and restart["step"] == 5
     (resume,) = kinds(d, "resume")
-    assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] == 4
+    at = resume["details"]["snapshot_step"]
+    assert resume["attempt"] == 1 and at in (2, 4)
     for rank, (a, b) in enumerate(zip(plain, final_states(d), strict=True)):
-        # The resumed process logged steps 4 to 7 (its in-memory logger), as Lightning
-        # alone did, and its counters went on from the snapshot's.
-        assert_bitwise_equal([row for row in a["curve"] if row[0] >= 4], b["curve"], "curve")
+        # The resumed process logged the steps from its snapshot's to 7 (its in-memory
+        # logger), as Lightning alone did, and its counters went on from the snapshot's.
+        assert_bitwise_equal([row for row in a["curve"] if row[0] >= at], b["curve"], "curve")
         for key in ("model", "optim", "sched", "global_step", "batches_that_stepped"):
             assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
         assert b["guard_step"] == STEPS
