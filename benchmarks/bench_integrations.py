@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import SEQ, VOCAB, TinyGPT, init_dist, loss_of, report, spawn
 
 SIZES = {"10M": (256, 12), "1M": (96, 8)}
-FRAMEWORKS = ("accelerate", "trainer")
+FRAMEWORKS = ("accelerate", "trainer", "lightning")
 GA, BATCH = 2, 8
 
 
@@ -185,9 +185,53 @@ def trainer_worker(args: argparse.Namespace, run_dir: str) -> StepClock:
     return clock
 
 
+# --- Lightning ----------------------------------------------------------------------------------
+def lightning_worker(args: argparse.Namespace, run_dir: str) -> StepClock:
+    import lightning as L
+
+    from orchestrator import load_policy
+    from orchestrator.integrations.lightning import GuardCallback
+
+    clock = StepClock(args.warmup)
+    d, layers = SIZES[args.size]
+    n = BATCH * GA * (args.steps + 1) * 2
+
+    class GPT(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.gpt = TinyGPT(VOCAB, SEQ, d, layers, heads=4)
+            self.seen = 0
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return loss_of(self.gpt, batch["tokens"])
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            if self.trainer.global_step > self.seen:  # an optimizer step was committed
+                self.seen = self.trainer.global_step
+                clock.tick()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(Tokens(n), batch_size=BATCH, shuffle=True)
+
+    callbacks = [] if args.mode == "alone" else [GuardCallback(load_policy(), run_dir=run_dir)]
+    trainer = L.Trainer(
+        accelerator="cpu" if not torch.cuda.is_available() else "auto",
+        devices=int(os.environ.get("WORLD_SIZE", "1")), strategy="ddp", max_steps=args.steps,
+        accumulate_grad_batches=GA, gradient_clip_val=1.0, callbacks=callbacks, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(GPT())
+    return clock
+
+
 WORKERS: dict[str, Callable[[argparse.Namespace, str], StepClock]] = {
     "accelerate": accelerate_worker,
     "trainer": trainer_worker,
+    "lightning": lightning_worker,
 }
 
 
