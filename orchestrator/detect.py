@@ -91,11 +91,10 @@ class SpikeDetector:
     last ``2 * reference_steps`` and ``reference_steps + 1`` values; the change between the
     medians of the last two blocks of ``reference_steps``): a loss that falls and flattens
     has a window slope steeper than its slope now, and extrapolating along it put the
-    reference below healthy values. The noise comes from second differences, which cancel
-    a locally straight trend, each taken less the median of its neighbours (a curve's bend
-    is no noise either, or early training's descent would hide spikes for a window): the
-    largest of three estimates (lags 1 and 2 over the window, lag 2 raw over its newer
-    half), so that one coming out low on a short or correlated history is not the bar.
+    reference below healthy values. The noise comes from second differences over the
+    window, at lags 1 and 2, whichever says more: they cancel a locally straight trend, so
+    early training's descent is not taken for noise, their median ignores the bend where
+    it flattens, and two lags keep a slowly drifting (correlated) noise from coming out low.
     docs/incidents.md has the measured false positives and power.
 
     Fed with the all-reduced values, it reaches the same verdict on every rank with no extra
@@ -147,16 +146,11 @@ class SpikeDetector:
             slopes.append((_median(h[-k:]) - _median(h[-2 * k : -k])) / k)
         trend = min(max(slopes), 0.0)
         ref = _median(h[-k:]) + trend * (k + 1) / 2
-        # x[i+1] - 2 x[i] + x[i-1] has variance 6 sigma^2 for white noise; at lag 2 likewise.
-        # Less their neighbours' median, white noise's scale comes out 0.935 and 1.128 times
-        # sigma (measured on 2,000 series of 100).
+        # x[i+1] - 2 x[i] + x[i-1] has variance 6 sigma^2 for white noise, at lag 2 likewise:
+        # the larger, as a loss's noise drifts slowly (correlated) and hides from lag 1.
         d1 = [b - a for a, b in itertools.pairwise(changes)]
         d2 = [h[i + 2] - 2 * h[i] + h[i - 2] for i in range(2, len(h) - 2)]
-        noise = max(
-            _scale(_detrend(d1)) / 0.935,
-            _scale(_detrend(d2)) / 1.128,
-            _scale(d2[len(d2) // 2 :]),
-        ) / math.sqrt(6)
+        noise = max(_mad(d1), _mad(d2)) / math.sqrt(6)
         # A flat history (a constant loss) has no noise: a relative floor keeps a rounding
         # error from being a spike.
         noise = max(noise, 1e-3 * abs(ref), 1e-12)
@@ -175,19 +169,7 @@ def _slope(seg: list[float]) -> float:
     return _median([(seg[i + lag] - seg[i]) / lag for i in range(len(seg) - lag)])
 
 
-def _detrend(v: list[float]) -> list[float]:
-    """Each value less the median of the 5 around it: what a slowly bending curve adds to
-    second differences goes, noise stays."""
-    return [x - _median(v[max(0, i - 2) : i + 3]) for i, x in enumerate(v)]
-
-
-def _scale(v: list[float]) -> float:
-    """Robust standard deviation of zero-centred ``v``: the RMS of its smallest 90% by
-    magnitude over that of a normal's (0.789), more efficient than the median absolute
-    value (a short history's estimate comes out low less often) and blind to the largest
-    10% (outliers, a curve's bend)."""
-    if not v:
-        return 0.0
-    sq = sorted(x * x for x in v)
-    n = max(1, int(0.9 * len(sq)))
-    return math.sqrt(sum(sq[:n]) / n) / 0.789
+def _mad(v: list[float]) -> float:
+    """Standard deviation of zero-centred ``v`` from its median absolute value: blind to
+    up to half of it being outliers or a curve's bend."""
+    return 1.4826 * _median([abs(x) for x in v]) if v else 0.0
