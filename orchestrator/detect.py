@@ -83,18 +83,18 @@ class SpikeBar:
 
 
 class SpikeDetector:
-    """Robust spike test on the all-reduced values: ``(x - reference) / noise > zscore``
-    and ``x`` above the median of the last ``reference_steps`` values.
+    """Robust spike test on the all-reduced values: ``(x - reference) / noise > zscore``.
 
-    The reference is that median moved along the falling trend, the flattest of four robust
-    slopes (the window's median step-to-step change; the median change over half of the
-    last ``2 * reference_steps`` and ``reference_steps + 1`` values; the change between the
-    medians of the last two blocks of ``reference_steps``): a loss that falls and flattens
-    has a window slope steeper than its slope now, and extrapolating along it put the
-    reference below healthy values. The noise comes from second differences over the
-    window, at lags 1 and 2, whichever says more: they cancel a locally straight trend, so
-    early training's descent is not taken for noise, their median ignores the bend where
-    it flattens, and two lags keep a slowly drifting (correlated) noise from coming out low.
+    The reference is the median of the last ``reference_steps`` values moved along the
+    falling trend, the flattest of three robust slopes: the window's median step-to-step
+    change, the median change over half of the last ``2 * reference_steps`` values, and the
+    change between the medians of the last two blocks of ``reference_steps``. A loss that
+    falls and flattens has a window slope steeper than its slope now: extrapolating along
+    it alone put the reference below healthy values.
+    The noise comes from second differences over the window, at lags 1 and 2 (their
+    geometric mean): they cancel a locally straight trend, so early training's descent is
+    not taken for noise, and their medians ignore outliers and most of the bend where it
+    flattens. A value below the median of the last ``reference_steps`` is never a spike.
     docs/incidents.md has the measured false positives and power.
 
     Fed with the all-reduced values, it reaches the same verdict on every rank with no extra
@@ -141,16 +141,17 @@ class SpikeDetector:
         # of the last k values stands (k + 1) / 2 steps back. A rising one is not followed:
         # a loss climbing step after step is what this is here to catch. Of the slopes, the
         # flattest: on a flattening curve the older ones are too steep.
-        slopes = [_median(changes), _slope(h[-2 * k :]), _slope(h[-(k + 1) :])]
+        slopes = [_median(changes), _slope(h[-2 * k :])]
         if len(h) >= 2 * k:
             slopes.append((_median(h[-k:]) - _median(h[-2 * k : -k])) / k)
         trend = min(max(slopes), 0.0)
         ref = _median(h[-k:]) + trend * (k + 1) / 2
-        # x[i+1] - 2 x[i] + x[i-1] has variance 6 sigma^2 for white noise, at lag 2 likewise:
-        # the larger, as a loss's noise drifts slowly (correlated) and hides from lag 1.
+        # x[i+1] - 2 x[i] + x[i-1] has variance 6 sigma^2 for white noise, at lag 2 likewise.
+        # A real loss's noise drifts (is correlated), which lag 1 misses, and lag 2 sees 4x
+        # a curve's bend: their geometric mean, each from the median (robust to outliers).
         d1 = [b - a for a, b in itertools.pairwise(changes)]
         d2 = [h[i + 2] - 2 * h[i] + h[i - 2] for i in range(2, len(h) - 2)]
-        noise = max(_mad(d1), _mad(d2)) / math.sqrt(6)
+        noise = math.sqrt(_mad(d1) * _mad(d2 or d1) / 6)  # 4 values have no lag-2 one
         # A flat history (a constant loss) has no noise: a relative floor keeps a rounding
         # error from being a spike.
         noise = max(noise, 1e-3 * abs(ref), 1e-12)
