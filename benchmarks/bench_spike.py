@@ -217,6 +217,19 @@ def power(make: Callable[[Case], object], seeds: int) -> dict[tuple[str, str], P
     return out
 
 
+def cost_us(make: Callable[[], object], reps: int = 2000) -> float:
+    """Microseconds per check with a full window (the hot path's host cost)."""
+    det = make()
+    rng = random.Random(0)
+    for t in range(200):
+        det.check({"loss": 3.0 + rng.gauss(0, 0.01)}, t)  # type: ignore[attr-defined]
+    xs = [3.0 + rng.gauss(0, 0.01) for _ in range(reps)]
+    t0 = time.perf_counter()
+    for t, x in enumerate(xs):
+        det.check({"loss": x}, 200 + t)  # type: ignore[attr-defined]
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--seeds", type=int, default=2, help="runs per (curve, noise, level)")
@@ -251,7 +264,9 @@ def main() -> None:
             delay = f" ({q.delay / q.hit:.1f})" if key[0].startswith("climb") and q.hit else ""
             cells.append(f"{q}{delay}")
         print(f"| {key[0]} | {key[1]} | {p.runs} | " + " | ".join(cells) + " |")
-    print(f"\n({time.perf_counter() - t0:.1f} s)")
+    costs = ", ".join(f"{d} {cost_us(make):.0f} us" for d, make in detectors.items())
+    print(f"\nCost per check, window of 100: {costs}")
+    print(f"({time.perf_counter() - t0:.1f} s)")
 
 
 if __name__ == "__main__":
