@@ -1,7 +1,7 @@
 """False positives and detection power of the loss-spike detector (``detect.spike``) on
 synthetic loss curves, the detector before the fix and now side by side, default policy.
 
-    python benchmarks/bench_spike.py            # a few seconds to a minute on one core
+    python benchmarks/bench_spike.py            # about 15 s on one core
     python benchmarks/bench_spike.py --seeds 20 # more runs per case
 
 Healthy curves (false positives: a run counts once however often it fires): exponential
@@ -12,8 +12,9 @@ slightly autocorrelated (AR(1), phi 0.3) noise at several levels, over 60 and 30
 
 Spikes (power: detected at the step, or for a climb within its 10 steps): one-step jumps of
 8 to 30 times the noise, and of 5% and 20% of the loss, early (3 steps after min_history)
-and late; and a sustained blow-up, the loss climbing by 1 or 3 noise units a step. Fully
-deterministic (seeded per run).
+and late; and a sustained blow-up, the loss climbing by 1 or 3 noise units a step. An
+oracle that knows the healthy curve and its noise (7 sd above it) gives the ceiling. Fully
+deterministic (seeded per run). Results and their reading: docs/benchmarks.md.
 """
 
 from __future__ import annotations
