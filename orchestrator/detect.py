@@ -83,13 +83,20 @@ class SpikeBar:
 
 
 class SpikeDetector:
-    """Robust spike test on the all-reduced values: ``(x - reference) / noise > zscore``,
-    the reference the median of the last ``reference_steps`` values moved along a falling
-    trend (the median step-to-step change), the noise ``1.4826 * median |change - trend| /
-    sqrt(2)`` over the window.
+    """Robust spike test on the all-reduced values: ``(x - reference) / noise > zscore``.
 
-    Step-to-step changes measure the noise whatever the trend (a window's spread around its
-    median would take a falling loss for noise and miss real spikes early in training).
+    The reference is the median of the last ``reference_steps`` values moved along the
+    falling trend, the flattest of three robust slopes: the window's median step-to-step
+    change, the median change over half of the last ``2 * reference_steps`` values, and the
+    change between the medians of the last two blocks of ``reference_steps``. A loss that
+    falls and flattens has a window slope steeper than its slope now: extrapolating along
+    it alone put the reference below healthy values.
+    The noise comes from second differences over the window, at lags 1 and 2 (their
+    geometric mean): they cancel a locally straight trend, so early training's descent is
+    not taken for noise, and their medians ignore outliers and most of the bend where it
+    flattens. A value below the median of the last ``reference_steps`` is never a spike.
+    docs/incidents.md has the measured false positives and power.
+
     Fed with the all-reduced values, it reaches the same verdict on every rank with no extra
     collective or host sync. Values that triggered a spike are not added to the history.
     """
@@ -106,11 +113,14 @@ class SpikeDetector:
         return None."""
         if not self.policy.enabled:
             return None
+        k = self.policy.reference_steps
         for m, hist in self.history.items():
             x = values[m]
             if len(hist) >= self.policy.min_history and math.isfinite(x):
-                bar = self._bar(m, [v for _, v in hist])
-                if bar.exceeded(x, 1.0):
+                h = [v for _, v in hist]
+                bar = self._bar(m, h)
+                # Never a spike below the recent level, whatever the extrapolation says.
+                if bar.exceeded(x, 1.0) and x > _median(h[-k:]):
                     return bar
         for m, hist in self.history.items():
             if math.isfinite(values[m]):
@@ -126,16 +136,41 @@ class SpikeDetector:
 
     def _bar(self, metric: str, h: list[float]) -> SpikeBar:
         k = self.policy.reference_steps
-        changes = sorted(b - a for a, b in itertools.pairwise(h))
+        changes = [b - a for a, b in itertools.pairwise(h)]
         # A falling trend (early training) lowers what the next value should be: the median
         # of the last k values stands (k + 1) / 2 steps back. A rising one is not followed:
-        # a loss climbing step after step is what this is here to catch.
-        trend = min(changes[len(changes) // 2], 0.0)
-        recent = sorted(h[-k:])
-        ref = recent[len(recent) // 2] + trend * (k + 1) / 2
-        spread = sorted(abs(c - trend) for c in changes)
-        noise = 1.4826 * spread[len(spread) // 2] / math.sqrt(2)
+        # a loss climbing step after step is what this is here to catch. Of the slopes, the
+        # flattest: on a flattening curve the older ones are too steep.
+        slopes = [_median(changes), _slope(h[-2 * k :])]
+        if len(h) >= 2 * k:
+            slopes.append((_median(h[-k:]) - _median(h[-2 * k : -k])) / k)
+        trend = min(max(slopes), 0.0)
+        ref = _median(h[-k:]) + trend * (k + 1) / 2
+        # x[i+1] - 2 x[i] + x[i-1] has variance 6 sigma^2 for white noise, at lag 2 likewise.
+        # A real loss's noise drifts (is correlated), which lag 1 misses, and lag 2 sees 4x
+        # a curve's bend: their geometric mean, each from the median (robust to outliers).
+        d1 = [b - a for a, b in itertools.pairwise(changes)]
+        d2 = [h[i + 2] - 2 * h[i] + h[i - 2] for i in range(2, len(h) - 2)]
+        noise = math.sqrt(_mad(d1) * _mad(d2 or d1) / 6)  # 4 values have no lag-2 one
         # A flat history (a constant loss) has no noise: a relative floor keeps a rounding
         # error from being a spike.
         noise = max(noise, 1e-3 * abs(ref), 1e-12)
         return SpikeBar(metric, ref, noise, self.policy.zscore)
+
+
+def _median(v: list[float]) -> float:
+    s = sorted(v)
+    return s[len(s) // 2]
+
+
+def _slope(seg: list[float]) -> float:
+    """Robust slope of ``seg`` (at least 2 values): the median of its changes over half its
+    length, per step."""
+    lag = len(seg) // 2
+    return _median([(seg[i + lag] - seg[i]) / lag for i in range(len(seg) - lag)])
+
+
+def _mad(v: list[float]) -> float:
+    """Standard deviation of zero-centred ``v`` from its median absolute value: blind to
+    up to half of it being outliers or a curve's bend."""
+    return 1.4826 * _median([abs(x) for x in v]) if v else 0.0

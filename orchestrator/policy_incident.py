@@ -24,21 +24,22 @@ class SpikePolicy(_Section):
         description="Which global values are watched.",
     )
     window: int = Field(
-        100, ge=8, description="Steps of history for the noise (step-to-step changes)."
+        100, ge=8, description="Steps of history for the noise (second differences)."
     )
     min_history: int = Field(20, ge=4, description="No spike decision before this many steps.")
     reference_steps: int = Field(
         5,
         ge=1,
         description="A value is compared with the median of this many last values, moved "
-        "along a falling trend (the window's median step-to-step change): the level now.",
+        "along a falling trend (the flattest of the window's median step-to-step change and "
+        "two recent slopes): the level now. A value below that median is never a spike.",
     )
     zscore: float = Field(
         7.0,
         gt=0,
-        description="Spike when (x - reference) / noise exceeds this; noise = 1.4826 * "
-        "median |step-to-step change - trend| / sqrt(2) over the window (a trend is not "
-        "noise, as a window's spread around its median would make it).",
+        description="Spike when (x - reference) / noise exceeds this; noise from the median "
+        "absolute second differences at lags 1 and 2 over the window (their geometric mean, "
+        "/ sqrt(6)): neither a trend nor the bend of a flattening loss is noise.",
     )
 
     @model_validator(mode="after")

@@ -6,12 +6,16 @@ an LR gone wrong quarantines nothing and is cut."""
 from __future__ import annotations
 
 import json
+import math
+import random
 from pathlib import Path
 
 import pytest
 
 from conftest import kinds, train
 from orchestrator.data import GuardBatchSampler
+from orchestrator.detect import SpikeDetector
+from orchestrator.policy import SpikePolicy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,3 +62,36 @@ def test_outlier_samples_are_quarantined_and_nothing_else(tmp_path: Path) -> Non
         assert e["details"]["reason"] == "spike_loss" and e["details"]["cause"] == "data", e
     assert not kinds(d, "gave_up")
     assert kinds(d, "run_end")[-1]["details"]["status"] == "finished"
+
+
+def decay(tau: float, sigma: float, seed: int, steps: int = 60) -> list[float]:
+    """A healthy loss that falls smoothly and flattens: 2.8 + 8 exp(-t / tau) + noise."""
+    rng = random.Random(seed)
+    return [2.8 + 8 * math.exp(-t / tau) + rng.gauss(0, sigma) for t in range(steps)]
+
+
+@pytest.mark.timeout(30)
+def test_a_flattening_loss_is_no_spike_and_real_spikes_on_it_are_caught() -> None:
+    """The default detector on a 60-step decay like a short nanoGPT run's: the detector
+    before extrapolated the window's median slope, steeper than the slope now, and called
+    11 of these healthy steps spikes (21 ... 54; a run gives up on max_incidents)."""
+    xs = decay(30, 0.02, 96)
+    det = SpikeDetector(SpikePolicy())
+    for step, x in enumerate(xs):
+        assert det.check({"loss": x}, step) is None, step
+    assert [s for s, _ in det.history["loss"]] == list(range(60))
+    for seed in (37, 93):  # two more the old detector flagged (4 and 5 steps)
+        det = SpikeDetector(SpikePolicy())
+        assert all(det.check({"loss": x}, s) is None for s, x in enumerate(decay(30, 0.02, seed)))
+    # A jump of 10 noise units late, and of 30 early while the loss still falls fast.
+    for at, jump in ((50, 0.2), (23, 0.6)):
+        det = SpikeDetector(SpikePolicy())
+        assert all(det.check({"loss": x}, s) is None for s, x in enumerate(xs[:at]))
+        hit = det.check({"loss": xs[at] + jump}, at)
+        assert hit is not None and hit.z(xs[at] + jump) > 7.0
+        assert abs(hit.reference - (2.8 + 8 * math.exp(-at / 30))) < 0.1  # the curve there
+        assert det.check({"loss": xs[at]}, at) is None  # not recorded: the bar is unchanged
+    # A blow-up: the loss climbs by 0.1 (5 noise units) a step from step 40.
+    det = SpikeDetector(SpikePolicy())
+    hits = [s for s, x in enumerate(xs) if det.check({"loss": x + 0.1 * max(s - 39, 0)}, s)]
+    assert hits and hits[0] <= 42, hits
