@@ -45,6 +45,11 @@ FAST = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
 
 def start(run_dir: Path, *args: str, policy: dict[str, Any] | None = None) -> Any:
     cmd, env = train_cmd(run_dir, 2, "--steps", str(STEPS), *args, policy=policy, script=EXAMPLE)
+    # Two runs start at once here. A port picked beforehand can be taken by the other run's
+    # connections before this torchrun binds it (EADDRINUSE, seen with the CPU saturated);
+    # the standalone rendezvous binds one of the OS's choosing.
+    at = cmd.index("--master-addr")
+    cmd[at : at + 4] = ["--standalone"]
     return spawn(cmd, env)
 
 
