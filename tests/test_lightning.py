@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
+from test_supervisor import launch_cmd
 from torch.utils.data import DistributedSampler
 
 from conftest import (
@@ -128,12 +128,8 @@ def test_a_sigkilled_rank_restarts_under_launch_and_resumes_bit_for_bit(tmp_path
     # from step 4 or, then, step 2 (as tests/test_hf_trainer.py's); either ends bit for bit.
     crash = {"kind": "crash", "step": 5, "rank": 0, "after_persist": True}
     policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast, "faults": [crash]}
-    path = tmp_path / "policy.yaml"
-    path.write_text(yaml.safe_dump(policy))
     cmd, _ = train_cmd(d, 2, "--steps", str(STEPS), script=SCRIPT)
-    launch = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
-              "--run-dir", str(d), "--", *cmd]  # fmt: skip
-    r = subprocess_run(launch)
+    r = subprocess_run(launch_cmd(d, policy, *cmd))
     assert r.returncode == 0, r.stdout[-4000:]
     (restart,) = kinds(d, "restart")
     assert restart["details"]["cause"] == "crash" and restart["step"] == 5
@@ -158,12 +154,8 @@ def test_a_sample_that_raises_in_the_training_step_is_quarantined_within_3_attem
     fast = {"backoff_s": 0.2, "backoff_max_s": 0.5}
     policy = {**EXACT, "persist": {"every_steps": 2}, "supervisor": fast,
               "faults": [{"kind": "crash_sample", "sample": bad}]}  # fmt: skip
-    path = tmp_path / "policy.yaml"
-    path.write_text(yaml.safe_dump(policy))
     cmd, _ = train_cmd(d, 2, "--steps", str(STEPS), script=SCRIPT)
-    launch = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
-              "--run-dir", str(d), "--", *cmd]  # fmt: skip
-    r = subprocess_run(launch)
+    r = subprocess_run(launch_cmd(d, policy, *cmd))
     assert r.returncode == 0, r.stdout[-4000:]
     errors = [e for e in kinds(d, "loop_error") if e["attempt"] == 0 and e["rank"] == 1]
     assert errors and errors[0]["step"] == 3 and errors[0]["details"]["micro"] == 1
