@@ -122,7 +122,7 @@ class Recovery(Divergence, LedgerKeeping, Stops):
         # grad-norm spike has no per-sample value to bisect by.
         spike = c.spike if c.spike is not None and c.spike.metric == "loss" else None
         if investigation.reruns and (c.reason.startswith("nonfinite") or spike is not None):
-            own = float(loss.detach().float().sum()) / self.engine.micro_steps_per_step
+            own = float(loss.detach().float().sum()) / self.engine.loss_divisor
             investigation.start(
                 inc, self.cursor.step_ids, self.step_samples, self.previous_step, spike, own
             )
@@ -162,7 +162,7 @@ class Recovery(Divergence, LedgerKeeping, Stops):
         """Name the origin ranks, gather the evidence, run the health checks if the policy
         says so. Journaled once its cause is known (:meth:`charge`)."""
         local_grads = self.engine.grads()
-        mean = float(loss.detach().float().sum()) / self.engine.micro_steps_per_step
+        mean = float(loss.detach().float().sum()) / self.engine.loss_divisor
         local = {
             "loss": not bool(torch.isfinite(loss).all()),
             "grads": bool(local_grads) and not bool(torch.isfinite(grad_norm(local_grads))),

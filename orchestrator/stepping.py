@@ -123,7 +123,8 @@ class StepInternals:
         digest = snap.digest if snap is not None and snap.agreed is None else None
         mult = self.adjuster.multiplier()
         grads = self.engine.judge(mult)
-        loss = self._loss if gas == 1 else self._loss / gas
+        div = self.engine.loss_divisor
+        loss = self._loss if div == 1 else self._loss / div
         ratio = self.metrics.pending()  # the last measured update ratio (rank 0)
         c = self._checked = self.check.run(
             self.global_step, loss, grads, self.lifecycle.signals.requested,

@@ -129,3 +129,27 @@ def _train_through_the_wrapper(
     with pytest.raises(UsageError, match="outside the Guard"):
         wrapped.step()
     guard.close()
+
+
+@pytest.mark.parametrize("divided", [False, True])
+def test_the_checked_loss_is_the_step_mean_whoever_divides(tmp_path: Path, divided: bool) -> None:
+    """Accelerate divides the loss inside its backward; Trainer and Lightning divide it
+    before (``loss_divided``): either way the Guard checks, logs and judges spikes by the
+    step's mean loss, not that mean divided by the accumulation steps once more."""
+    model, opt, sched = _objects()
+    backward = (lambda loss: loss.backward()) if divided else (lambda loss: (loss / GA).backward())
+    engine = FrameworkEngine(
+        model, opt, sched, backward=backward, grad_accum_steps=GA, loss_divided=divided
+    )
+    guard = Guard(parse_policy(EXACT), engine=engine, run_dir=str(tmp_path))
+    data = torch.utils.data.TensorDataset(_data())
+    losses: list[float] = []
+    for (x,) in guard.batches(guard.dataloader(data, 1, shuffle=False), max_steps=1):
+        loss = model(x[0]).pow(2).mean()
+        losses.append(float(loss))
+        guard.backward(loss / GA if divided else loss)
+        if guard.step() == "commit":
+            sched.step()
+            opt.zero_grad()
+    guard.close()
+    assert guard.loss == pytest.approx(sum(losses) / GA, rel=1e-6)

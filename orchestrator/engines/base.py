@@ -76,6 +76,13 @@ class Engine(ABC):
         )
 
     @property
+    def loss_divisor(self) -> int:
+        """What the sum of a step's micro-batch losses (as given to backward) is divided by
+        to make the step's mean loss: the micro-batches per step, unless the loop divided
+        each loss already (a framework's, :class:`FrameworkEngine` ``loss_divided``)."""
+        return self.micro_steps_per_step
+
+    @property
     def name(self) -> str:
         return type(self).__name__
 

@@ -58,6 +58,9 @@ class FrameworkEngine(TorchEngine):
         backward: the framework's backward of one micro-batch's loss (its division by the
             accumulation steps and its loss scaling included).
         grad_accum_steps: micro-batches per optimizer step, as the framework counts them.
+        loss_divided: the loss the framework gives backward is already divided by
+            ``grad_accum_steps`` (Trainer's and Lightning's are, Accelerate's is not): the
+            step's mean loss is then the sum of its micro-batches' losses.
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class FrameworkEngine(TorchEngine):
         *,
         backward: Callable[[torch.Tensor], None],
         grad_accum_steps: int = 1,
+        loss_divided: bool = False,
     ) -> None:
         inner = unwrap_optimizer(optimizer)
         if not isinstance(inner, torch.optim.Optimizer):
@@ -81,6 +85,11 @@ class FrameworkEngine(TorchEngine):
         super().__init__(model, inner, unwrap_scheduler(scheduler), scaler, refuse_foreign=False)
         self._framework_backward = backward
         self.micro_steps_per_step = grad_accum_steps
+        self._loss_divided = loss_divided
+
+    @property
+    def loss_divisor(self) -> int:
+        return 1 if self._loss_divided else self.micro_steps_per_step
 
     def _backward(self, loss: torch.Tensor) -> None:
         self._framework_backward(loss)

@@ -256,6 +256,7 @@ class GuardTrainerMixin:
             t.lr_scheduler,
             backward=lambda loss: backward(loss, **self._guard_backward_kwargs),
             grad_accum_steps=ga,
+            loss_divided=True,  # training_step divides (or normalises by the step's tokens)
         )
         run_dir, fresh = self._guard_where
         guard = Guard(
@@ -313,13 +314,13 @@ class GuardTrainerMixin:
 
     def _guard_rerun(self, batch: Any) -> torch.Tensor:
         """One isolation re-run: Trainer's forward of some of the bad step's samples, as
-        ``training_step`` runs it; the loss on the step's scale (divided by the accumulation
-        steps, as the Guard saw the step's)."""
+        ``training_step`` runs it; its mean loss, the scale of the step's mean the Guard
+        checked (the sum of training_step's divided losses)."""
         t: Any = self
         inputs = t._prepare_inputs(batch)
         with t.compute_loss_context_manager():
-            loss = t.compute_loss(t.model_wrapped, inputs)
-        return loss / t.args.gradient_accumulation_steps
+            loss: torch.Tensor = t.compute_loss(t.model_wrapped, inputs)
+        return loss
 
 
 class GuardedTrainer(GuardTrainerMixin, Trainer):

@@ -192,6 +192,9 @@ class GuardCallback(Callback):
             scheduler,
             backward=lambda loss: backward(loss, *self._backward_args),
             grad_accum_steps=self.accum or trainer.accumulate_grad_batches,
+            # Automatic optimization divides each loss by accumulate_grad_batches (its
+            # closure); a manual training_step's own scale is kept, as its re-runs take it.
+            loss_divided=trainer.lightning_module.automatic_optimization,
         )
         _own_sigterm(trainer)
         self._counters = _Counters(trainer)
@@ -312,8 +315,8 @@ class GuardCallback(Callback):
 
     def _rerun(self, batch: Any) -> torch.Tensor:
         """One isolation re-run: Lightning's training step of some of the bad step's samples,
-        as its automatic optimization runs it; the loss on the step's scale (divided by the
-        accumulation steps, as Lightning's closure divides it)."""
+        as its automatic optimization runs it; its mean loss, the scale of the step's mean
+        the Guard checked (the sum of the closure's divided losses)."""
         trainer = self._trainer
         plugin = trainer.precision_plugin
         batch = type(plugin).convert_input(plugin, batch)
@@ -324,8 +327,8 @@ class GuardCallback(Callback):
         if self._manual is not None:
             return self._manual.rerun(kwargs.values())
         out = call._call_strategy_hook(trainer, "training_step", *kwargs.values())
-        loss = out["loss"] if isinstance(out, dict) else out
-        return loss / trainer.accumulate_grad_batches
+        loss: torch.Tensor = out["loss"] if isinstance(out, dict) else out
+        return loss
 
 
 def _scheduled(
