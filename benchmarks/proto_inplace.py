@@ -1,17 +1,22 @@
 """Prototype for issue 33 (a dead rank costs one process, not the job), standalone: it imports
 nothing from the package and the package never imports it.
 
-A parent plays the node's launcher: it hosts the job's TCPStore (torchrun's agent store,
-``TORCHELASTIC_USE_AGENT_STORE=True``), starts the ranks itself with torchrun's environment
-contract, and watches them. The ranks train a ~10M-parameter MLP with DDP-style gradient
-all-reduce on gloo (one flat buffer per step) and SGD with momentum. Rank 1 is SIGKILLed
-(``--fault kill``) or SIGSTOPped (``--fault hang``) before its all-reduce at ``--fault-step``.
+The ranks are benchmarks/proto_inplace_worker.py's. A parent plays the node's launcher: it
+hosts the job's TCPStore (torchrun's agent store, ``TORCHELASTIC_USE_AGENT_STORE=True``),
+starts the ranks itself with torchrun's environment contract, and watches them. The ranks
+train a ~10M-parameter MLP with DDP-style gradient all-reduce on gloo (one flat buffer per
+step) and SGD with momentum. Rank 1 is SIGKILLed (``--fault kill``) or
+SIGSTOPped (``--fault hang``) before its all-reduce at ``--fault-step``.
 
 * ``inplace``: the survivor's all-reduce raises, it waits for the parent's next generation
   in the store, destroys its process group and forms a new one under a new store prefix with
-  the replacement rank (a fresh process, or with ``--spare`` a warm spare that had already
-  imported torch and built the model), which heals from the survivor: the step and a CRC32
-  are broadcast, then the state; the replacement checks the CRC, all ranks agree (MIN).
+  the replacement rank (a fresh process, or in the ``-spare`` cases a warm spare that had
+  already imported torch and built the model), which heals from the survivor: the step and
+  a CRC32 are broadcast, then the state; the replacement checks the CRC, all ranks agree
+  (MIN).
+* ``inplace-shm``: the same, but the replacement heals from its rank's slot in /dev/shm and
+  the survivors roll back to their in-memory copy of that step (every rank keeps both at
+  each snapshot step); step and CRC32 compared across ranks; the lost steps are replayed.
 * ``restart``: today's behaviour: the parent kills every rank and starts them all again from
   the newest snapshot file (rank 0 writes one to /dev/shm every ``--snapshot-every`` steps).
 * A hang: the parent kills the rank whose last "entered collective" step is behind once no
