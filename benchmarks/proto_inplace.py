@@ -50,6 +50,7 @@ CASES = {  # name: (mode, fault, spare, parent's hang timeout in s; 0 = off)
     "inplace-kill": ("inplace", "kill", False, 0.0),
     "inplace-kill-spare": ("inplace", "kill", True, 0.0),
     "inplace-shm-spare": ("inplace-shm", "kill", True, 0.0),
+    "inplace-double-spare": ("inplace-double", "kill", True, 0.0),
     "restart-kill": ("restart", "kill", False, 0.0),
     "inplace-hang-parent": ("inplace", "hang", True, 1.0),
     "inplace-hang-gloo": ("inplace", "hang", True, 0.0),
@@ -108,6 +109,11 @@ class Parent:
         """The dead rank's process is started again (or a spare takes its place); the
         survivors learn the new generation from the store."""
         self.events[f"t_detect/{self.gen}"] = now()
+        healed = [f"healed/{self.gen}/{r}" for r in range(WORLD)]
+        if self.gen > 0 and self.mode != "restart" and not self.store.check(healed):
+            # A death during the healing: fall back to a full restart from the snapshot file.
+            self.events["t_fallback"] = now()
+            self.mode = self.argv[self.argv.index("--mode") + 1] = "restart"
         self.gen += 1
         if self.mode == "restart":
             for proc in self.procs.values():
@@ -178,15 +184,18 @@ class Parent:
             return out
         raised = self.get("raised/0/0")
         out["error"] = " ".join(raised[1:])
+        g = self.gen  # the generation that finished the run
         marks = {
             "raise_s": raised[:1],
             "detect_s": [str(self.events.get("t_detect/0", "nan"))],
-            "new_ready_s": self.get(f"ready/1/{VICTIM}")[:1],
-            "formed_s": self.get("formed/1/0")[:1],
-            "healed_s": self.get("healed/1/0")[:1],
-            "next_step_s": self.get("step1/1/0")[:1],
-            "caught_up_s": self.get("past_fault/1/0")[:1],
+            "new_ready_s": self.get(f"ready/{g}/{VICTIM}")[:1],
+            "formed_s": self.get(f"formed/{g}/0")[:1],
+            "healed_s": self.get(f"healed/{g}/0")[:1],
+            "next_step_s": self.get(f"step1/{g}/0")[:1],
+            "caught_up_s": self.get(f"past_fault/{g}/0")[:1],
         }
+        out["generations"] = g
+        out["fell_back"] = "t_fallback" in self.events
         for name, val in marks.items():
             out[name] = float(val[0]) - fault if val else None
         if "t_spawn/1" in self.events:

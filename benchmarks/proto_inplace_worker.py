@@ -7,7 +7,8 @@ and heals: from a live peer (``inplace``: the newest state is broadcast with its
 from its own shared-memory slot (``inplace-shm``: every rank writes its state and CRC32 to a
 /dev/shm file at each snapshot step; the replacement reads its rank's file, the survivors
 roll back to their in-memory copy of the same step, and all compare the CRC32s before going
-on), or, after a full restart (``restart``), from rank 0's snapshot file.
+on), or, after a full restart (``restart``), from rank 0's snapshot file. ``inplace-double``:
+the replacement dies again during the healing; the parent falls back to a full restart.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def snapshot(state: State, rank: int, mode: str) -> None:
     """``restart``: rank 0's file; ``inplace-shm``: every rank's slot file (its own state and
     CRC32, as the shared-memory ring's slot and verdict) and an in-memory copy (the ring)."""
     port = os.environ["MASTER_PORT"]
-    if mode == "restart" and rank == 0:
+    if mode in ("restart", "inplace-double") and rank == 0:  # the full restart's source
         path = SNAPSHOT.format(port=port)
         torch.save({"step": state.step, "flat": state.flat}, path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -204,6 +205,8 @@ def worker(args: Args) -> None:
             timeout=timeout,
         )
         store.set(f"formed/{gen}/{rank}", f"{now()} {os.getpid()}")
+        if args.mode == "inplace-double" and gen == 1 and rank == VICTIM:
+            os.kill(os.getpid(), signal.SIGKILL)  # a second death, during the healing
         try:
             if gen > 0 and args.mode == "inplace-shm":
                 heal_from_slot(store, state, rank, gen)
