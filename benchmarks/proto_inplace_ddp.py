@@ -12,6 +12,9 @@ thread aborts the survivor (``gloo::EnforceNotMet ... Received data size doesn't
 The constructor's broadcast from rank 0 heals the replacement's parameters; the optimizer's
 momentum and the step follow by broadcast. Rank 1 is SIGKILLed before its backward at step 6;
 every rank starts from a different random init on purpose (DDP's broadcast makes them equal).
+Every rank's script calls ``init_process_group("gloo")`` (env://, torchrun's agent-store
+contract); each generation's group meets in a TCPStore of its own, hosted by the parent (the
+replacement's ``MASTER_PORT``); a survivor joins it with the same ``default_pg/`` key prefix.
 
     python benchmarks/proto_inplace_ddp.py                 # the reducer built again
     python benchmarks/proto_inplace_ddp.py --update-only   # _update_process_group alone
@@ -40,7 +43,12 @@ WORLD, STEPS, TIMEOUT = 2, 12, timedelta(seconds=10)
 
 
 def join(store: dist.TCPStore, gen: int, rank: int) -> None:
-    prefixed = dist.PrefixStore(f"pg/{gen}", store)
+    """The survivor's init on generation ``gen``'s store (its port in ``gen/<gen>``), with the
+    key layout an env:// init builds there (``default_pg/``), so it meets the replacement's
+    own ``init_process_group("gloo")``."""
+    port = int(store.get(f"gen/{gen}"))
+    pg_store = dist.TCPStore(os.environ["MASTER_ADDR"], port, is_master=False, timeout=TIMEOUT)
+    prefixed = dist.PrefixStore("default_pg", pg_store)
     dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=WORLD, timeout=TIMEOUT)
 
 
@@ -87,9 +95,9 @@ def crc(ddp: DDP, opt: torch.optim.SGD) -> int:
 def worker(fault_step: int) -> None:
     torch.set_num_threads(1)
     rank, gen = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["PROTO_CONTROL_PORT"])
     store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=60))
-    join(store, gen, rank)  # the "user script" from here on
+    dist.init_process_group("gloo", timeout=TIMEOUT)  # the "user script" from here on: env://
     torch.manual_seed(100 + rank + 10 * gen)  # different on every rank: DDP syncs them
     layers = [torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Tanh()) for _ in range(10)]
     ddp = DDP(torch.nn.Sequential(*layers))
@@ -126,12 +134,18 @@ def worker(fault_step: int) -> None:
 
 def run(fault_step: int) -> dict[str, str]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+    stores = [
+        store
+    ]  # generation g's process group meets in stores[g] (torchrun: a new one per try)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", PROTO_CONTROL_PORT=str(store.port))
+    env.update(TORCHELASTIC_USE_AGENT_STORE="True")
     env.update(WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1")
     argv = [sys.executable, __file__, "--worker", str(fault_step)]
 
     def start(rank: int, gen: int) -> subprocess.Popen[bytes]:
-        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank))
+        rank_env = dict(
+            env, RANK=str(rank), LOCAL_RANK=str(rank), MASTER_PORT=str(stores[gen].port)
+        )
         return subprocess.Popen(argv, env=dict(rank_env, TORCHELASTIC_RESTART_COUNT=str(gen)))
 
     procs = {r: start(r, 0) for r in range(WORLD)}
@@ -144,7 +158,8 @@ def run(fault_step: int) -> dict[str, str]:
                         q.kill()
                     raise SystemExit(f"rank {r} died (exit {p.poll()}): no in-place recovery")
                 gen += 1
-                store.set(f"gen/{gen}", "1")
+                stores.append(dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
+                store.set(f"gen/{gen}", str(stores[gen].port))
                 procs[r] = start(r, gen)
         time.sleep(0.005)
     keys = ["final/0", "final/1", "t_fault", "t_next", "error"]
