@@ -261,7 +261,7 @@ def test_a_bad_token_quarantines_every_window_holding_it_bit_for_bit(tmp_path: P
     draws at step 7 is skipped (one incident, not two), no window of the range is read
     after the quarantine, and the run equals, bit for bit on every rank, one whose ledger
     held the range from the start. The data budget charges the draws the range takes
-    away (its share of the windows), not its width: 33 ids at 17% of the draws seen would
+    away (its share of the windows), not its width: 33 ids against the 96 draws seen would
     be over max_fraction=2%, their 1.1% share of the windows is not."""
     culprit = draw_at(step=5, micro=1, row=2)
     t = culprit + 10  # the bad token's position
