@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from torch.utils.data import IterableDataset
@@ -29,9 +30,10 @@ Source = IndexSource | StreamSource
 
 
 class DataCursor:
-    def __init__(self, comm: Comm, quarantined: IdSet, window_steps: int):
+    def __init__(self, comm: Comm, quarantined: AbstractSet[int], window_steps: int):
         self.comm = comm
-        self._from_ledger = quarantined
+        self._from_ledger = IdSet()
+        self._from_ledger.update(quarantined)  # an IdSet's ranges stay ranges
         self.source: Source | None = None
         # (step, marks, this rank's ids) of the last committed steps
         self._recent: deque[tuple[int, list[Any], list[int]]] = deque(

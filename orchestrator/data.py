@@ -204,7 +204,7 @@ class IndexSource:
             if sampler.remaining_batches(*self.pos) == 0:
                 if self.pos[1] == 0:
                     raise OrchestratorError(
-                        f"epoch {self.pos[0]} has no full batch: {len(sampler.quarantined)} "
+                        f"epoch {self.pos[0]} has no full batch: {len(sampler.id_set)} "
                         f"samples are quarantined in {ledger_url}; review the ledger or lower "
                         "the batch size"
                     )

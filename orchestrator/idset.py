@@ -11,6 +11,7 @@ equality with a ``set`` keep working for the callers that took a ``set[int]``.
 
 from __future__ import annotations
 
+import operator
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, MutableSet
 
@@ -38,7 +39,9 @@ class IdSet(MutableSet[int]):
     # --- MutableSet -----------------------------------------------------------------------
     def __contains__(self, x: object) -> bool:
         if not isinstance(x, int):
-            return False
+            if not hasattr(x, "__index__"):
+                return False
+            x = operator.index(x)  # numpy's integers too, as a set of ints would find them
         i = bisect_right(self._lo, x) - 1
         return i >= 0 and x < self._hi[i]
 

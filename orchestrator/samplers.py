@@ -276,5 +276,8 @@ def id_share(ids: IdSet, sampler: Any, dataset: Any) -> float | None:
         return None
     if hasattr(sampler, "share"):
         return float(sampler.share(ids.ranges()))
-    n = len(dataset)
+    try:
+        n = len(dataset)
+    except TypeError:  # a stream of windows without a length: count the ids themselves
+        return None
     return ids.count_in(0, n) / max(n, 1)

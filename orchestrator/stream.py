@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -264,7 +265,7 @@ class StreamSource:
         *,
         rank: int,
         world_size: int,
-        quarantined: IdSet,
+        quarantined: AbstractSet[int],
         sampler: Any = None,
         sample_id: Any = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -276,6 +277,8 @@ class StreamSource:
                 "guard.dataloader(persistent_workers=True) with your own pipeline: the "
                 "workers must be remade after a rollback to see the quarantine; drop it"
             )
+        # The wrappers below hold this IdSet (a set of ids given is taken as one).
+        quarantined = quarantined if isinstance(quarantined, IdSet) else IdSet(quarantined)
         self.rank, self.world_size, self._q = rank, world_size, quarantined
         self.batch_size = batch_size
         self.collate_fn = collate_fn

@@ -9,6 +9,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,6 +53,7 @@ def test_idset_merges_ranges_and_answers_membership_like_a_set() -> None:
     both |= IdSet(ranges=[(100, 10**12)])  # a range is never expanded into ids
     assert len(both) == 8 + 10**12 - 100 and 10**12 - 1 in both and 10**12 not in both
     assert both.count_in(0, 200) == 108
+    assert np.int64(5) in both and "5" not in both  # numpy's integers are ids too
 
 
 def test_ledger_round_trip_of_ids_and_ranges(tmp_path: Path) -> None:
