@@ -104,10 +104,16 @@ class Stops:
         total, seen = self.cursor.samples_lost(), self.cursor.samples_seen()
         if total <= max(q.max_fraction * seen, q.budget_min_samples):
             return
+        share = f"{total / seen:.2%} of the {seen}"
+        what = (
+            f"{int(total)} samples quarantined, {share} distinct samples seen"
+            if self.cursor.id_span is None
+            else f"{len(self.cursor.id_set)} windows quarantined (those overlapping bad ones), "
+            f"{share} draws seen from the token stream"
+        )
         self._give_up(
             step,
-            f"{total:g} samples quarantined, {total / seen:.2%} of the {seen} distinct samples "
-            f"seen, over quarantine.max_fraction={q.max_fraction:g} (budget_min_samples="
+            f"{what}, over quarantine.max_fraction={q.max_fraction:g} (budget_min_samples="
             f"{q.budget_min_samples}). The ledger {self.ledger.url} lists them: inspect the "
             "data (or the model on it); if this much bad data is expected, raise "
             "quarantine.max_fraction",

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from harness import run_ranks
+from harness import RankFailed, run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import REPO, assert_bitwise_equal, final_states, kinds, train
@@ -293,6 +293,22 @@ def test_a_bad_token_quarantines_every_window_holding_it_bit_for_bit(tmp_path: P
     assert all(not [i for i in r["read"] if lo <= i < hi] for r in pre)
     for a, b in zip(pre, faulty, strict=True):
         assert_bitwise_equal(a["state"], b["state"], "final")
+
+
+def test_a_range_over_the_data_budget_stops_the_run(tmp_path: Path) -> None:
+    """The same bad token with max_fraction=0.5%: the range's share of the windows (1.1%)
+    is over it, so the run gives up on the data budget, naming that share."""
+    culprit = draw_at(step=5, micro=1, row=2)
+    tokens = TOKENS.clone()
+    tokens[culprit + 10] = POISON
+    policy = {**EXACT, "quarantine": {"max_fraction": 0.005, "budget_min_samples": 0}}
+    with pytest.raises(RankFailed, match="GaveUp"):  # the harness re-raises a rank's
+        nano_loop(tmp_path / "run", policy, steps=10, tokens=tokens)
+    (gave_up,) = kinds(tmp_path / "run", "gave_up")
+    d = gave_up["details"]
+    assert d["budget"] == "data" and gave_up["step"] == 5
+    assert d["fraction"] == pytest.approx((2 * BLOCK + 1) / (len(TOKENS) - BLOCK))
+    assert d["quarantined"] == list(range(culprit - BLOCK, culprit + BLOCK + 1))
 
 
 # --- examples/train_nanogpt.py under torchrun, 2 ranks ------------------------------------
