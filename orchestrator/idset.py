@@ -11,6 +11,7 @@ equality with a ``set`` keep working for the callers that took a ``set[int]``.
 
 from __future__ import annotations
 
+import heapq
 import operator
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator, MutableSet
@@ -32,8 +33,7 @@ class IdSet(MutableSet[int]):
         self._lo: list[int] = []
         self._hi: list[int] = []
         self._len = 0
-        for lo, hi in ranges:
-            self.add_range(lo, hi)
+        self._merge(sorted((int(lo), int(hi)) for lo, hi in ranges if lo < hi))
         self.update(ids)
 
     # --- MutableSet -----------------------------------------------------------------------
@@ -93,13 +93,35 @@ class IdSet(MutableSet[int]):
         self._len += hi - lo
 
     def update(self, ids: Iterable[int]) -> None:
-        """Add ``ids``: single ids, or another IdSet's intervals (never expanded)."""
+        """Add ``ids``: single ids, or another IdSet's intervals (never expanded). One
+        merge of sorted runs, so a ledger of many single ids loads in O(n log n)."""
         if isinstance(ids, IdSet):
-            for lo, hi in ids.ranges():
+            new = ids.ranges()
+        else:
+            new = []
+            for x in sorted({int(x) for x in ids}):
+                if new and new[-1][1] == x:
+                    new[-1] = (new[-1][0], x + 1)
+                else:
+                    new.append((x, x + 1))
+        self._merge(new)
+
+    def _merge(self, new: list[tuple[int, int]]) -> None:
+        """Add non-empty intervals sorted by their start (one pass; one: a bisect)."""
+        if len(new) <= 1:
+            for lo, hi in new:
                 self.add_range(lo, hi)
             return
-        for x in ids:
-            self.add(x)
+        los: list[int] = []
+        his: list[int] = []
+        for lo, hi in heapq.merge(self.ranges(), new):
+            if los and lo <= his[-1]:  # overlapping or adjacent: one interval
+                his[-1] = max(his[-1], hi)
+            else:
+                los.append(lo)
+                his.append(hi)
+        self._lo, self._hi = los, his
+        self._len = sum(b - a for a, b in zip(los, his, strict=True))
 
     def ranges(self) -> list[tuple[int, int]]:
         """The intervals ``(lo, hi)``, in order."""
