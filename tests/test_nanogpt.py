@@ -18,6 +18,7 @@ from harness import RankFailed, run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import REPO, assert_bitwise_equal, final_states, kinds, train
+from launch.report import load, totals
 from orchestrator import Guard, Value, parse_policy
 from orchestrator.protocol import LEDGER_NAME
 from orchestrator.samplers import RandomOffsetSampler, TokenStreamSampler, WindowDataset
@@ -282,6 +283,9 @@ def test_a_bad_token_quarantines_every_window_holding_it_bit_for_bit(tmp_path: P
     assert d["total"] == hi - lo and d["fraction"] == pytest.approx(share)
     assert d["lost"] == pytest.approx(share * d["samples_seen"])
     assert d["total"] / d["samples_seen"] > budget["max_fraction"]  # a width would be over
+    (end,) = kinds(tmp_path / "faulty", "run_end")  # and the end, status and report say so
+    assert end["details"]["quarantined_fraction"] == pytest.approx(share)
+    assert totals(load(str(tmp_path / "faulty")))["quarantined_fraction"] == pytest.approx(share)
     ledger = [json.loads(line) for line in (tmp_path / "faulty" / LEDGER_NAME).open()]
     assert [e["range"] for e in ledger] == [[lo, hi]] and "sample" not in ledger[0]
     for r in faulty:
