@@ -178,6 +178,18 @@ class DataCursor:
         merged = IdSet(ranges=[(max(0, i - span + 1), i + span) for i in ids])
         return merged.ranges()
 
+    def quarantine_widened(
+        self, culprits: list[int], widen: bool
+    ) -> tuple[list[int], list[list[int]]]:
+        """Quarantine ``culprits``, with ``widen`` as the ranges of every window that
+        overlaps one (:meth:`overlapping`; nothing more for ids that are not windows).
+        Returns the ids quarantined alone and the ranges ``[lo, hi]``: what the ledger gets
+        (an id inside a range is written as the range)."""
+        ranges = self.overlapping(culprits) if widen else []
+        singles = [i for i in culprits if not any(lo <= i < hi for lo, hi in ranges)]
+        self.quarantine(singles, ranges)
+        return singles, [[lo, hi] for lo, hi in ranges]
+
     def samples_seen(self) -> int:
         assert self.source is not None
         return self.source.samples_seen()

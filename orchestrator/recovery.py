@@ -283,13 +283,9 @@ class Recovery(Divergence, LedgerKeeping, Stops):
         """Quarantine the open incident's ``culprits`` (journaled, persisted to the ledger)
         and charge the data budget when the incident belongs to it."""
         if culprits:
-            # Windows of a token stream overlap: the bad token lies somewhere in a culprit
-            # the data explained, so every window sharing a token with it goes too, as one
-            # range (orchestrator/samplers.py). Ids inside a range are written as the range.
-            ranges = self.cursor.overlapping(culprits) if inc.cause == "data" else []
-            singles = [i for i in culprits if not any(lo <= i < hi for lo, hi in ranges)]
-            self.cursor.quarantine(singles, ranges)
-            spans = [[lo, hi] for lo, hi in ranges]
+            # A culprit the data explained may be a window holding a bad token: every
+            # window sharing a token with it goes too, as one range (samplers.py).
+            singles, spans = self.cursor.quarantine_widened(culprits, inc.cause == "data")
             written = self._ledger_add(singles, inc.step, inc.reason, spans)
             total, seen = len(self.cursor.id_set), self.cursor.samples_seen()
             lost = self.cursor.samples_lost()  # what the data budget charges

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from conftest import REPO, assert_bitwise_equal, final_states, kinds, train
 from launch.report import load, totals
 from orchestrator import Guard, Value, parse_policy
+from orchestrator.audit import audit
 from orchestrator.protocol import LEDGER_NAME
 from orchestrator.samplers import RandomOffsetSampler, TokenStreamSampler, WindowDataset
 
@@ -288,6 +289,11 @@ def test_a_bad_token_quarantines_every_window_holding_it_bit_for_bit(tmp_path: P
     assert totals(load(str(tmp_path / "faulty")))["quarantined_fraction"] == pytest.approx(share)
     ledger = [json.loads(line) for line in (tmp_path / "faulty" / LEDGER_NAME).open()]
     assert [e["range"] for e in ledger] == [[lo, hi]] and "sample" not in ledger[0]
+    assert audit(str(tmp_path / "faulty")) == []  # the journal's range is in the ledger
+    elsewhere = tmp_path / "other.jsonl"
+    elsewhere.write_text(json.dumps({"range": [lo, hi - 1]}) + "\n")  # one id short
+    (missing,) = audit(str(tmp_path / "faulty"), ledger_url=str(elsewhere))
+    assert f"[{lo}, {hi})" in missing
     for r in faulty:
         assert r["marked"] is not None
         assert not [i for i in r["read"][r["marked"] :] if lo <= i < hi]
