@@ -33,6 +33,7 @@ from orchestrator.events import (
     Rollback,
     first_each_attempt,
     of,
+    quarantine_fraction,
     quarantine_share,
 )
 from orchestrator.events.base import R
@@ -164,7 +165,7 @@ def totals(rec: RunRecord) -> dict[str, Any]:
         "incidents_explained_by_data": causes.count("data"),
         "incidents_unexplained": causes.count("unexplained"),
         "samples_seen": share[1] if share else None,
-        "quarantined_fraction": share[0] / max(share[1], 1) if share else None,
+        "quarantined_fraction": quarantine_fraction(rec.events) if share else None,
         "rollbacks": len(rollbacks),
         "restarts": len(restarts),
         "nodes": sorted(  # the supervisors' (older journals name the host)

@@ -20,6 +20,7 @@ from orchestrator.events import (
     SupervisorExit,
     first_each_attempt,
     of,
+    quarantine_fraction,
     quarantine_share,
 )
 from orchestrator.goodput import ledger
@@ -66,9 +67,9 @@ def _counts_line(events: list[Event[Any]]) -> str:
     """The attempt, the newest step, and how many restarts, hangs, incidents (by cause),
     rollbacks and quarantined samples the run has had."""
     attempt = max((e.attempt for e in events), default=0)
-    share = quarantine_share(events)
-    if share is not None:
-        quarantined = f"{share[0]} ({share[0] / max(share[1], 1):.2%} of {share[1]} samples seen)"
+    share, fraction = quarantine_share(events), quarantine_fraction(events)
+    if share is not None and fraction is not None:
+        quarantined = f"{share[0]} ({fraction:.2%} of {share[1]} samples seen)"
     else:
         quarantined = str(sum(len(e.record.samples) for e in of(events, Quarantine)))
     incidents = of(events, Incident)

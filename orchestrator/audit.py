@@ -75,17 +75,23 @@ def audit(
         why = "gone" if cand is None else store.check(cand)
         if why is not None:
             lost.append(f"committed snapshot {step} under {url}: {why}")
-    written = {
-        s
+    records = [
+        e.record
         for e in events
         if (isinstance(e.record, Quarantine) and e.record.persisted)
         or isinstance(e.record, LedgerWritten)
-        for s in e.record.samples
-    }
-    if written:
+    ]
+    written = {s for r in records for s in r.samples}
+    spans = sorted({(lo, hi) for r in records for lo, hi in r.ranges})
+    if written or spans:
         in_ledger = Ledger(ledger_url or os.path.join(run_dir, LEDGER_NAME)).load()
         lost += [
             f"quarantined sample {s} is missing from the ledger"
-            for s in sorted(written - in_ledger)
+            for s in sorted(s for s in written if s not in in_ledger)
+        ]
+        lost += [
+            f"quarantined range [{lo}, {hi}) is missing from the ledger"
+            for lo, hi in spans
+            if in_ledger.count_in(lo, hi) < hi - lo
         ]
     return lost

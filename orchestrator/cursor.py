@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from torch.utils.data import IterableDataset
@@ -21,15 +22,18 @@ from torch.utils.data import IterableDataset
 from orchestrator.comm import Comm
 from orchestrator.data import IndexSource
 from orchestrator.errors import UsageError
+from orchestrator.idset import IdSet
+from orchestrator.samplers import id_share, id_span
 from orchestrator.stream import StreamSource
 
 Source = IndexSource | StreamSource
 
 
 class DataCursor:
-    def __init__(self, comm: Comm, quarantined: set[int], window_steps: int):
+    def __init__(self, comm: Comm, quarantined: AbstractSet[int], window_steps: int):
         self.comm = comm
-        self._from_ledger = quarantined
+        self._from_ledger = IdSet()
+        self._from_ledger.update(quarantined)  # an IdSet's ranges stay ranges
         self.source: Source | None = None
         # (step, marks, this rank's ids) of the last committed steps
         self._recent: deque[tuple[int, list[Any], list[int]]] = deque(
@@ -46,7 +50,7 @@ class DataCursor:
                 "indices; the Guard batches them, skipping quarantined samples)"
             )
         rank, world_size = self.comm.rank, self.comm.world_size
-        quarantined = set(self._from_ledger)
+        quarantined = self._from_ledger.copy()
         custom = options.get("sampler") is not None or "sample_id" in options
         if custom or isinstance(dataset, IterableDataset):
             mine = sorted({"shuffle", "seed"} & set(options))
@@ -148,13 +152,58 @@ class DataCursor:
     def quarantined(self) -> frozenset[int]:
         return self.source.quarantined if self.source is not None else frozenset()
 
-    def quarantine(self, ids: Iterable[int]) -> None:
+    @property
+    def id_set(self) -> IdSet:
+        """The quarantined ids as kept (ranges as ranges); read only."""
+        return self.source.id_set if self.source is not None else IdSet()
+
+    def quarantine(self, ids: Iterable[int], ranges: Iterable[tuple[int, int]] = ()) -> None:
         assert self.source is not None
-        self.source.quarantine(ids)
+        self.source.quarantine(IdSet(ids, ranges))
+
+    @property
+    def id_span(self) -> int | None:
+        """How many consecutive tokens a sample id reads, when ids are windows of a token
+        stream (orchestrator/samplers.py); None otherwise."""
+        s = self.source
+        return id_span(s.sampler, s.dataset) if s is not None else None
+
+    def overlapping(self, ids: Iterable[int]) -> list[tuple[int, int]]:
+        """The id ranges ``[lo, hi)`` of the samples that share data with ``ids``: for
+        windows of a token stream (an ``id_span``: orchestrator/samplers.py), every window
+        that shares a token with one of them; empty when ids share nothing."""
+        span = self.id_span
+        if span is None:
+            return []
+        merged = IdSet(ranges=[(max(0, i - span + 1), i + span) for i in ids])
+        return merged.ranges()
+
+    def quarantine_widened(
+        self, culprits: list[int], widen: bool
+    ) -> tuple[list[int], list[list[int]]]:
+        """Quarantine ``culprits``, with ``widen`` as the ranges of every window that
+        overlaps one (:meth:`overlapping`; nothing more for ids that are not windows).
+        Returns the ids quarantined alone and the ranges ``[lo, hi]``: what the ledger gets
+        (an id inside a range is written as the range)."""
+        ranges = self.overlapping(culprits) if widen else []
+        singles = [i for i in culprits if not any(lo <= i < hi for lo, hi in ranges)]
+        self.quarantine(singles, ranges)
+        return singles, [[lo, hi] for lo, hi in ranges]
 
     def samples_seen(self) -> int:
         assert self.source is not None
         return self.source.samples_seen()
+
+    def samples_lost(self) -> float:
+        """What the data budget charges for the quarantine: the quarantined ids, or, for
+        windows of a token stream, the draws among those seen that the quarantine takes
+        away (the samples seen times the share of the sampler's draws it removes), which a
+        range of overlapping windows costs rather than its width."""
+        assert self.source is not None
+        share = id_share(self.source.id_set, self.source.sampler, self.source.dataset)
+        if share is None:
+            return float(len(self.source.id_set))
+        return share * self.samples_seen()
 
     def step_samples(self, ranks: list[int]) -> list[int]:
         """The samples the given ranks ran in the step being run (collective for a stream:

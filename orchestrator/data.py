@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from orchestrator.errors import OrchestratorError
+from orchestrator.idset import IdSet
 
 
 class GuardBatchSampler(Sampler[list[int]]):
@@ -52,7 +53,7 @@ class GuardBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.epoch = 0
         self.offset = 0
-        self._quarantined: set[int] = set()
+        self._quarantined = IdSet()
         # (epoch, kept ids in order, their offsets in the unfiltered permutation)
         self._cache: tuple[int, torch.Tensor, torch.Tensor] | None = None
         if num_samples < self.span:
@@ -66,10 +67,16 @@ class GuardBatchSampler(Sampler[list[int]]):
     def quarantined(self) -> frozenset[int]:
         return frozenset(self._quarantined)
 
+    @property
+    def id_set(self) -> IdSet:
+        """The quarantined ids as kept (read only: :meth:`quarantine` adds)."""
+        return self._quarantined
+
     def quarantine(self, ids: Iterable[int]) -> None:
-        new = {int(i) for i in ids} - self._quarantined
-        if new:
-            self._quarantined |= new
+        """Skip ``ids`` (an IdSet's ranges stay ranges: never expanded)."""
+        before = self._quarantined.ranges()
+        self._quarantined.update(ids)
+        if self._quarantined.ranges() != before:
             self._cache = None
 
     # --- order --------------------------------------------------------------------------
@@ -84,8 +91,7 @@ class GuardBatchSampler(Sampler[list[int]]):
             perm = torch.arange(self.num_samples)
         offsets = torch.arange(self.num_samples)
         if self._quarantined:
-            bad = torch.tensor(sorted(self._quarantined), dtype=torch.int64)
-            keep = ~torch.isin(perm, bad)
+            keep = ~self._quarantined.mask(perm)
             perm, offsets = perm[keep], offsets[keep]
         self._cache = (epoch, perm, offsets)
         return perm, offsets
@@ -140,7 +146,7 @@ class IndexSource:
         *,
         rank: int,
         world_size: int,
-        quarantined: set[int],
+        quarantined: IdSet,
         shuffle: bool = True,
         seed: int = 0,
         collate_fn: Any = None,
@@ -156,6 +162,7 @@ class IndexSource:
             shuffle=shuffle,
         )
         self.sampler.quarantine(quarantined)
+        self.dataset = dataset
         # DataLoader draws its workers' base seed from this generator each time an iterator
         # is made. Without its own generator that draw comes from the global torch RNG, and
         # the extra iterator made after a rollback would shift every later dropout mask.
@@ -175,6 +182,10 @@ class IndexSource:
     def quarantined(self) -> frozenset[int]:
         return self.sampler.quarantined
 
+    @property
+    def id_set(self) -> IdSet:
+        return self.sampler.id_set
+
     def quarantine(self, ids: Iterable[int]) -> None:
         self.sampler.quarantine(ids)
 
@@ -193,7 +204,7 @@ class IndexSource:
             if sampler.remaining_batches(*self.pos) == 0:
                 if self.pos[1] == 0:
                     raise OrchestratorError(
-                        f"epoch {self.pos[0]} has no full batch: {len(sampler.quarantined)} "
+                        f"epoch {self.pos[0]} has no full batch: {len(sampler.id_set)} "
                         f"samples are quarantined in {ledger_url}; review the ledger or lower "
                         "the batch size"
                     )

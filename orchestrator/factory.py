@@ -25,13 +25,14 @@ from orchestrator.durable import DurableTier
 from orchestrator.engines import Engine
 from orchestrator.health import HealthChecker
 from orchestrator.heartbeat import Heartbeat
+from orchestrator.idset import IdSet
 from orchestrator.investigate import Investigation, InvestigationPolicy
 from orchestrator.keeper import KeeperPolicy, StateKeeper
 from orchestrator.lifecycle import Lifecycle
 from orchestrator.metrics import Metrics
 from orchestrator.policy import Policy, SnapshotPolicy
 from orchestrator.protocol import ENV_SHM_DIR, LEDGER_NAME
-from orchestrator.quarantine import Ledger
+from orchestrator.quarantine import Entry, Ledger
 from orchestrator.recovery import Recovery
 from orchestrator.recovery_policy import RecoveryPolicy
 from orchestrator.shm import ShmSlots
@@ -48,7 +49,7 @@ from orchestrator.tuning import Intervals, Tuner, ring_min_steps
 
 logger = logging.getLogger(__name__)
 
-Held = list[tuple[list[int], int, str]]  # ledger entries an earlier process did not write
+Held = list[Entry]  # ledger entries an earlier process did not write
 
 
 class Teardown:
@@ -195,7 +196,7 @@ def _ring(
     return shm, ring
 
 
-def _ledger(p: Policy, ctx: Context) -> tuple[Ledger, set[int], Held, Suspicion | None]:
+def _ledger(p: Policy, ctx: Context) -> tuple[Ledger, IdSet, Held, Suspicion | None]:
     """The quarantine ledger, the ids quarantined from the start, the entries an earlier
     process did not write, and what the last attempt died on (collective)."""
     ledger = Ledger(p.quarantine.ledger_url or os.path.join(ctx.run_dir, LEDGER_NAME))

@@ -10,7 +10,7 @@ from orchestrator.comm import Comm
 from orchestrator.crashes import Suspicion
 from orchestrator.journal import Decisions, Journal
 from orchestrator.logs import RankLogger
-from orchestrator.quarantine import Ledger
+from orchestrator.quarantine import Entry, Ledger
 from orchestrator.recovery_policy import RecoveryPolicy
 from orchestrator.retry import storage_retry
 
@@ -28,7 +28,7 @@ class LedgerKeeping:
     log: RankLogger
     ledger: Ledger
     # Ledger entries a storage failure held back: (ids, step, reason), oldest first.
-    _unwritten: list[tuple[list[int], int, str]]
+    _unwritten: list[Entry]
 
     def quarantine_crashed(self, found: Suspicion) -> None:
         """At start: the previous attempt died on these samples (a probe of one, or the
@@ -50,16 +50,18 @@ class LedgerKeeping:
                 found.culprits, found.step, found.why,
             )  # fmt: skip
 
-    def _ledger_add(self, ids: list[int], step: int, reason: str) -> bool:
+    def _ledger_add(
+        self, ids: list[int], step: int, reason: str, ranges: list[list[int]] | None = None
+    ) -> bool:
         """Rank 0 appends to the ledger, retrying; a storage failure is journaled, never
         fatal: the quarantine holds in memory for this run either way, and the entries not
         written are tried again with the next ones and at close (:meth:`flush_ledger`)."""
         if self.comm.rank != 0:
             return True
-        self._unwritten.append((ids, step, reason))
+        self._unwritten.append((ids, step, reason, ranges or []))
         return self.flush_ledger(later=False)
 
-    def hold(self, entries: list[tuple[list[int], int, str]]) -> None:
+    def hold(self, entries: list[Entry]) -> None:
         """Entries an earlier process could not write (rank 0): write them now, or keep
         trying with the next ones and at close."""
         if self.comm.rank == 0 and entries:
@@ -71,15 +73,17 @@ class LedgerKeeping:
         left. Entries written ``later`` than their quarantine event are journaled
         (``ledger_written``), so the journal says what the ledger holds."""
         while self._unwritten:
-            ids, step, reason = self._unwritten[0]
+            ids, step, reason, ranges = self._unwritten[0]
             late = later or len(self._unwritten) > 1  # not the entry just added
             try:
-                storage_retry(self.policy.persist)(self.ledger.add, ids, step, reason)
+                storage_retry(self.policy.persist)(self.ledger.add, ids, step, reason, ranges)
             except Exception as err:  # an unreachable store raises botocore's own classes
-                self.journal.write("ledger_failed", step, {"samples": ids, "error": repr(err)})
+                failed = {"samples": ids, **({"ranges": ranges} if ranges else {})}
+                self.journal.write("ledger_failed", step, {**failed, "error": repr(err)})
                 self.log.error("quarantine ledger %s not written: %r", self.ledger.url, err)
                 return False
             self._unwritten.pop(0)
             if late:
-                self.journal.write("ledger_written", step, {"samples": ids})
+                written = {"samples": ids, **({"ranges": ranges} if ranges else {})}
+                self.journal.write("ledger_written", step, written)
         return True

@@ -340,7 +340,7 @@ class Lifecycle:
             incidents, rollbacks = kinds.count("incident"), kinds.count("rollback")
         if self.cursor.source is not None:
             seen = self.cursor.samples_seen()
-            extra["quarantined_fraction"] = len(self.cursor.quarantined) / seen
+            extra["quarantined_fraction"] = self.cursor.samples_lost() / seen
         end = events.RunEnd(
             status=status or ("finished" if finished else "stopped"),
             steps=step,

@@ -33,7 +33,7 @@ from orchestrator.investigate import Investigation, Verdict
 from orchestrator.ledgerkeep import LedgerKeeping
 from orchestrator.logs import RankLogger
 from orchestrator.metrics import Metrics
-from orchestrator.quarantine import Ledger
+from orchestrator.quarantine import Entry, Ledger
 from orchestrator.recovery_policy import RecoveryPolicy
 from orchestrator.snapshot import SnapshotRing
 from orchestrator.stateful import UserState
@@ -88,7 +88,7 @@ class Recovery(Divergence, LedgerKeeping, Stops):
         self.open: Incident | None = None  # opened, not yet recovered
         self._evidence: dict[str, Any] = {}  # the open incident's, journaled with its cause
         # Ledger entries a storage failure held back: (ids, step, reason), oldest first.
-        self._unwritten: list[tuple[list[int], int, str]] = []
+        self._unwritten: list[Entry] = []
         r = policy.detect.replicas
         self.culprits = replicas.Culprits(r.sick_after, policy.escalation.window_steps)
         self._host_names: list[str] | None = None
@@ -283,9 +283,13 @@ class Recovery(Divergence, LedgerKeeping, Stops):
         """Quarantine the open incident's ``culprits`` (journaled, persisted to the ledger)
         and charge the data budget when the incident belongs to it."""
         if culprits:
-            self.cursor.quarantine(culprits)
-            written = self._ledger_add(culprits, inc.step, inc.reason)
-            total, seen = len(self.cursor.quarantined), self.cursor.samples_seen()
+            # A culprit the data explained may be a window holding a bad token: every
+            # window sharing a token with it goes too, as one range (samplers.py).
+            singles, spans = self.cursor.quarantine_widened(culprits, inc.cause == "data")
+            written = self._ledger_add(singles, inc.step, inc.reason, spans)
+            total, seen = len(self.cursor.id_set), self.cursor.samples_seen()
+            lost = self.cursor.samples_lost()  # what the data budget charges
+            windows = {"ranges": spans, "lost": lost} if self.cursor.id_span else {}
             self.decide(
                 "quarantine",
                 inc.step,
@@ -295,7 +299,8 @@ class Recovery(Divergence, LedgerKeeping, Stops):
                 persisted=written,
                 total=total,
                 samples_seen=seen,
-                fraction=total / seen,
+                fraction=lost / seen,
+                **windows,
             )
         inc.quarantined = culprits
         if inc.budget == "data":

@@ -13,12 +13,20 @@ position is a count of draws, which the loader's state holds; a rewind or a resu
 restores that count and no RNG, and dropout or an evaluation's draws never shift it.
 Both samplers start at any position in O(1) (``iter_from``), so a resume late in a long
 epoch does not replay its draws.
+
+Windows overlap: a bad token at position ``t`` is in every window from ``t - block_size``
+to ``t`` (in its ``x`` or its ``y``). The dataset and the samplers say so with ``id_span``
+(``block_size + 1``: the tokens window ``i`` reads, ``i .. i + block_size``), and the Guard,
+when an isolation names window ``o``, quarantines every window that shares a token with it:
+ids ``o - block_size .. o + block_size``, as one ledger range. ``share(ranges)`` is the
+share of a sampler's draws that quarantined ranges take away: what the data budget
+(``quarantine.max_fraction``) charges, rather than the ranges' width (docs/nanogpt.md).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -26,7 +34,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, Sampler
 
-__all__ = ["RandomOffsetSampler", "TokenStreamSampler", "WindowDataset"]
+from orchestrator.idset import IdSet
+
+__all__ = ["RandomOffsetSampler", "TokenStreamSampler", "WindowDataset", "id_span", "id_share"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _CHUNK = 4096  # draws computed at once
@@ -86,6 +96,7 @@ class RandomOffsetSampler(Sampler[int]):
         samples_per_epoch: int | None = None,
     ) -> None:
         self.n_windows = _windows(n_tokens, block_size)
+        self.id_span = block_size + 1  # tokens a window reads: ids closer than this overlap
         self.rank, self.world_size = _ranks(rank, world_size)
         self.seed, self.epoch = seed, 0
         self.samples_per_epoch = (
@@ -107,6 +118,12 @@ class RandomOffsetSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         return self.iter_from(0)
+
+    def share(self, ranges: Iterable[tuple[int, int]]) -> float:
+        """The share of the draws that fall in ``ranges`` (disjoint ``[lo, hi)``): each
+        draw is uniform over the windows, so the ranges' windows over all windows."""
+        inside = sum(max(0, min(hi, self.n_windows) - max(lo, 0)) for lo, hi in ranges)
+        return inside / self.n_windows
 
     def offsets(self, start: int, count: int) -> np.ndarray:
         """This rank's draws ``start .. start + count - 1`` of the current epoch."""
@@ -146,6 +163,7 @@ class TokenStreamSampler(Sampler[int]):
         world_size: int | None = None,
     ) -> None:
         n_windows = _windows(n_tokens, block_size)
+        self.id_span = block_size + 1  # as RandomOffsetSampler's
         self.stride = stride if stride is not None else block_size
         if self.stride < 1:
             raise ValueError(f"stride must be >= 1, got {self.stride}")
@@ -166,6 +184,17 @@ class TokenStreamSampler(Sampler[int]):
 
     def __iter__(self) -> Iterator[int]:
         return self.iter_from(0)
+
+    def share(self, ranges: Iterable[tuple[int, int]]) -> float:
+        """The share of an epoch's windows (every rank's) whose offsets fall in ``ranges``
+        (disjoint ``[lo, hi)``): the multiples of the stride there."""
+        drawn = self.per_rank * self.world_size
+        end = drawn * self.stride  # past the last offset drawn
+        s = self.stride
+        inside = sum(
+            max(0, -(-min(hi, end) // s) - -(-max(lo, 0) // s)) for lo, hi in ranges
+        )  # ceil(hi / s) - ceil(lo / s): the multiples of s in [lo, hi)
+        return inside / drawn
 
     def iter_from(self, position: int) -> Iterator[int]:
         """The offsets from this rank's ``position``-th window on."""
@@ -203,6 +232,7 @@ class WindowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
             self._data, n = tokens, int(tokens.shape[0])
         self.n_tokens = n
         self._len = _windows(n, block_size)
+        self.id_span = block_size + 1  # as the samplers'
 
     def _tokens(self) -> np.ndarray | torch.Tensor:
         if self._data is None:
@@ -229,3 +259,25 @@ class WindowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         else:
             chunk = torch.from_numpy(np.asarray(window).astype(np.int64))
         return chunk[:-1], chunk[1:]
+
+
+def id_span(sampler: Any, dataset: Any) -> int | None:
+    """How many consecutive tokens a sample id reads (``id_span`` of the sampler, else of
+    the dataset), or None when ids are not windows of a stream: then they share nothing."""
+    span = getattr(sampler, "id_span", None) or getattr(dataset, "id_span", None)
+    return int(span) if span else None
+
+
+def id_share(ids: IdSet, sampler: Any, dataset: Any) -> float | None:
+    """The share of the draws that the quarantined ``ids`` take away, for ids that are
+    windows (:func:`id_span`; else None): the sampler's ``share`` of their ranges, or,
+    without one, the ids' share of the dataset's (a sampler that draws every index alike)."""
+    if id_span(sampler, dataset) is None:
+        return None
+    if hasattr(sampler, "share"):
+        return float(sampler.share(ids.ranges()))
+    try:
+        n = len(dataset)
+    except TypeError:  # a stream of windows without a length: count the ids themselves
+        return None
+    return ids.count_in(0, n) / max(n, 1)

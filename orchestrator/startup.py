@@ -21,6 +21,7 @@ from orchestrator.errors import (
     PolicyError,
     UsageError,
 )
+from orchestrator.idset import IdSet
 from orchestrator.journal import Decisions, read_journal
 from orchestrator.policy import Policy, SnapshotPolicy
 from orchestrator.protocol import (
@@ -31,7 +32,7 @@ from orchestrator.protocol import (
     node_name,
     shm_root,
 )
-from orchestrator.quarantine import Ledger, held_back
+from orchestrator.quarantine import Entry, Ledger, held_back
 from orchestrator.rundir import archive_run_dir
 from orchestrator.shm import ShmSlots
 from orchestrator.snapshot import SnapshotRing, slot_bytes
@@ -85,7 +86,7 @@ def agree_attempt(comm: Comm) -> int:
 
 def load_ledger(
     comm: Comm, ledger: Ledger, run_dir: str, decide: Decisions, attempt: int
-) -> tuple[set[int], list[tuple[list[int], int, str]], Suspicion | None]:
+) -> tuple[IdSet, list[Entry], Suspicion | None]:
     """The quarantined ids every rank trains without (rank 0 reads, every rank gets the same
     set: shards must never overlap), the entries an earlier process quarantined but could
     not write (rank 0's, to write now; empty elsewhere), and what the last attempt's death
@@ -99,14 +100,17 @@ def load_ledger(
             raises the storage's own error.
     """
     said: tuple[str, Any] | None = None
-    held: list[tuple[list[int], int, str]] = []
+    held: list[Entry] = []
     failure: BaseException | None = None
     if comm.rank == 0:
         try:
             loaded = ledger.load()
             events = list(read_journal(run_dir))
             held = held_back(events, loaded)
-            loaded |= {i for ids, _, _ in held for i in ids}
+            for ids, _, _, spans in held:
+                loaded.update(ids)
+                for lo, hi in spans:
+                    loaded.add_range(lo, hi)
             said = ("ok", (loaded, suspicion(read_marks(run_dir), attempt, events)))
         except LedgerError as err:
             decide(EVENT_GAVE_UP, 0, why=str(err), reason="ledger_unreadable",

@@ -97,15 +97,23 @@ class Stops:
             )
 
     def _check_data_budget(self, step: int) -> None:
-        """The data budget: quarantined samples against the distinct samples seen."""
+        """The data budget: quarantined samples against the distinct samples seen (for
+        windows of a token stream, the draws seen that the quarantine takes away:
+        :meth:`~orchestrator.cursor.DataCursor.samples_lost`)."""
         q = self.policy.quarantine
-        total, seen = len(self.cursor.quarantined), self.cursor.samples_seen()
+        total, seen = self.cursor.samples_lost(), self.cursor.samples_seen()
         if total <= max(q.max_fraction * seen, q.budget_min_samples):
             return
+        share = f"{total / seen:.2%} of the {seen}"
+        what = (
+            f"{int(total)} samples quarantined, {share} distinct samples seen"
+            if self.cursor.id_span is None
+            else f"{len(self.cursor.id_set)} windows quarantined (those overlapping bad ones), "
+            f"{share} draws seen from the token stream"
+        )
         self._give_up(
             step,
-            f"{total} samples quarantined, {total / seen:.2%} of the {seen} distinct samples "
-            f"seen, over quarantine.max_fraction={q.max_fraction:g} (budget_min_samples="
+            f"{what}, over quarantine.max_fraction={q.max_fraction:g} (budget_min_samples="
             f"{q.budget_min_samples}). The ledger {self.ledger.url} lists them: inspect the "
             "data (or the model on it); if this much bad data is expected, raise "
             "quarantine.max_fraction",

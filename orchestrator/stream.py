@@ -20,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset, IterableDataset, Sampler, default_collate
 
 from orchestrator.errors import OrchestratorError, PersistError, UsageError
+from orchestrator.idset import IdSet
 
 _INSTALL = "pip install 'nan-orchestrator[data]' (torchdata)"
 
@@ -56,7 +58,7 @@ class _Stream(IterableDataset[tuple[int, Any]]):
     State: the items of the unfiltered stream consumed (``raw``) and the user dataset's own
     state when it has one (then it resumes from that, else by skipping ``raw`` items)."""
 
-    def __init__(self, dataset: IterableDataset[Any], sample_id: Any, quarantined: set[int]):
+    def __init__(self, dataset: IterableDataset[Any], sample_id: Any, quarantined: IdSet):
         self.dataset, self.sample_id, self.quarantined = dataset, sample_id, quarantined
         self.raw = 0
         self._resume: dict[str, Any] | None = None
@@ -107,7 +109,7 @@ class _SkipQuarantined(Sampler[list[int]]):
     the sampler is told the epoch (``set_epoch``) and replayed to the position on resume,
     or started there by its ``iter_from(position)`` when it has one."""
 
-    def __init__(self, sampler: Any, batch_size: int, quarantined: set[int]) -> None:
+    def __init__(self, sampler: Any, batch_size: int, quarantined: IdSet) -> None:
         self.sampler, self.batch_size, self.quarantined = sampler, batch_size, quarantined
         self.epoch, self.raw = -1, 0
         self._resume: dict[str, Any] | None = None
@@ -218,7 +220,7 @@ def _loader(
     loader_class: Any,
     dataset: Dataset[Any],
     batch_size: int,
-    quarantined: set[int],
+    quarantined: IdSet,
     sampler: Any,
     sample_id: Any,
     wrap: _WithIds,
@@ -263,7 +265,7 @@ class StreamSource:
         *,
         rank: int,
         world_size: int,
-        quarantined: set[int],
+        quarantined: AbstractSet[int],
         sampler: Any = None,
         sample_id: Any = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -275,9 +277,12 @@ class StreamSource:
                 "guard.dataloader(persistent_workers=True) with your own pipeline: the "
                 "workers must be remade after a rollback to see the quarantine; drop it"
             )
+        # The wrappers below hold this IdSet (a set of ids given is taken as one).
+        quarantined = quarantined if isinstance(quarantined, IdSet) else IdSet(quarantined)
         self.rank, self.world_size, self._q = rank, world_size, quarantined
         self.batch_size = batch_size
         self.collate_fn = collate_fn
+        self.dataset, self.sampler = dataset, sampler
         self.loader: Any = _loader(
             loader_class,
             dataset,
@@ -302,10 +307,14 @@ class StreamSource:
     def quarantined(self) -> frozenset[int]:
         return frozenset(self._q)
 
+    @property
+    def id_set(self) -> IdSet:
+        return self._q
+
     def quarantine(self, ids: Iterable[int]) -> None:
         # The wrappers hold this set: read live in this process; loader workers get a
         # copy when the next iterator is made, which a rollback does after every quarantine.
-        self._q.update(int(i) for i in ids)
+        self._q.update(ids)  # an IdSet's ranges stay ranges
 
     def position(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
         local = {

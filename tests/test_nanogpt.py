@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import pickle
 import sys
 from pathlib import Path
@@ -13,11 +14,14 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from harness import run_ranks
+from harness import RankFailed, run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import REPO, assert_bitwise_equal, final_states, kinds, prequarantined, train
+from conftest import REPO, assert_bitwise_equal, final_states, kinds, train
+from launch.report import load, totals
 from orchestrator import Guard, Value, parse_policy
+from orchestrator.audit import audit
+from orchestrator.protocol import LEDGER_NAME
 from orchestrator.samplers import RandomOffsetSampler, TokenStreamSampler, WindowDataset
 
 sys.path.insert(0, str(REPO / "examples"))
@@ -114,12 +118,31 @@ def draw_at(step: int, micro: int, row: int, rank: int = 0) -> int:
     return int(sampler.offsets(draw, 1)[0])
 
 
-def nano_loop(run_dir: Path, policy: dict[str, Any], steps: int) -> list[dict[str, Any]]:
+POISON = 64  # a token outside the model's vocabulary: any window holding it has a NaN loss
+
+
+class LoggedWindows(WindowDataset):
+    """A WindowDataset that records the offsets it reads (num_workers=0: in the rank)."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int) -> None:
+        super().__init__(tokens, block_size)
+        self.read: list[int] = []
+
+    def __getitem__(self, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.read.append(int(offset))
+        return super().__getitem__(offset)
+
+
+def nano_loop(
+    run_dir: Path, policy: dict[str, Any], steps: int, tokens: torch.Tensor = TOKENS
+) -> list[dict[str, Any]]:
     """examples/train_nanogpt.py's loop on 2 thread ranks: DDP, random windows, gradient
     accumulation 2, the cosine LR set from guard.global_step before every micro-batch,
     clipping by hand at guard.last_micro, best_val_loss a Value. Each rank returns its
     final state and, per committed step, (step, guard.lr before it, the LR the optimizer
-    stepped with, the group's LR after it)."""
+    stepped with, the group's LR after it); the offsets its dataset read, and how many it
+    had read when the first quarantine was in place. A batch holding the token POISON
+    has a NaN loss (a bad token in the data)."""
     a = parse(["--learning-rate", "1e-2", "--warmup-iters", "3", "--lr-decay-iters", "20"])
     torch.manual_seed(0)  # here, once: the threads share torch's global RNG
     base = GPT(64, BLOCK, n_layer=1, n_head=2, n_embd=16)
@@ -136,21 +159,26 @@ def nano_loop(run_dir: Path, policy: dict[str, Any], steps: int) -> list[dict[st
         )  # fmt: skip
         best = Value(1e9)
         guard.register_state("best_val_loss", best)
-        sampler = RandomOffsetSampler(len(TOKENS), BLOCK, seed=5, samples_per_epoch=PER_EPOCH)
-        loader = guard.dataloader(WindowDataset(TOKENS, BLOCK), BATCH, sampler=sampler)
+        sampler = RandomOffsetSampler(len(tokens), BLOCK, seed=5, samples_per_epoch=PER_EPOCH)
+        data = LoggedWindows(tokens, BLOCK)
+        loader = guard.dataloader(data, BATCH, sampler=sampler)
         steps_seen: list[tuple[int, float, float]] = []
+        marked: int | None = None
         for X, Y in guard.batches(loader, max_steps=steps):
             lr = get_lr(guard.global_step, a)
             for group in opt.param_groups:
                 group["lr"] = lr
-            _, loss = model(X, Y)
-            guard.backward(loss)
+            poisoned = bool((X == POISON).any() or (Y == POISON).any())
+            _, loss = model(X.clamp(max=POISON - 1), Y.clamp(max=POISON - 1))
+            guard.backward(loss * float("nan") if poisoned else loss)
             if guard.last_micro:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
                 before = (guard.global_step, guard.lr)
             if guard.step() == "commit":
                 steps_seen.append((*before, opt.param_groups[0]["lr"]))
                 best.value = min(best.value, float(loss.detach()))
+            if marked is None and guard.quarantined:
+                marked = len(data.read)  # every read from here on follows the quarantine
         guard.close()
         state = {"model": models[rank].state_dict(), "optim": opt.state_dict()}
         return {
@@ -158,6 +186,8 @@ def nano_loop(run_dir: Path, policy: dict[str, Any], steps: int) -> list[dict[st
             "steps": steps_seen,
             "applied": applied,
             "lr": [get_lr(s, a) for s, _, _ in steps_seen],
+            "read": data.read,
+            "marked": marked,
         }
 
     return run_ranks(rank_main, 2, timeout_s=120)
@@ -202,18 +232,93 @@ def test_a_rollback_replays_the_windows_bit_for_bit(tmp_path: Path) -> None:
 
 def test_a_poison_window_is_quarantined_by_its_offset_bit_for_bit(tmp_path: Path) -> None:
     """A window whose loss is NaN (a fault on its offset) at step 5 is isolated and
-    quarantined by its offset; the run then equals one whose ledger held it from the start
-    (the sampler's draw is skipped in both, the position unchanged)."""
+    quarantined by its offset, with every window that shares a token with it (the bad data
+    may be any of its tokens); the run then equals one whose ledger held that range from
+    the start (the sampler's draws in it are skipped in both, the position unchanged)."""
     bad = draw_at(step=5, micro=1, row=2)
     policy = {**EXACT, "faults": [{"kind": "poison_sample", "sample": bad}]}
     faulty = nano_loop(tmp_path / "faulty", policy, steps=10)
     (q,) = kinds(tmp_path / "faulty", "quarantine")
     assert q["details"]["samples"] == [bad]
-    pre_dir = prequarantined(tmp_path, [bad])
+    assert q["details"]["ranges"] == [[bad - BLOCK, bad + BLOCK + 1]]
+    pre_dir = prequarantined_ranges(tmp_path, q["details"]["ranges"])
     pre = nano_loop(pre_dir, policy, steps=10)
     assert not kinds(pre_dir, "incident")
     for a, b in zip(pre, faulty, strict=True):
         assert_bitwise_equal(a["state"], b["state"], "final")
+
+
+def prequarantined_ranges(tmp_path: Path, ranges: list[list[int]]) -> Path:
+    """A run directory whose ledger holds the id ranges ``[lo, hi)`` from the start."""
+    d = tmp_path / "prequarantined"
+    d.mkdir()
+    (d / LEDGER_NAME).write_text("".join(json.dumps({"range": r}) + "\n" for r in ranges))
+    return d
+
+
+def test_a_bad_token_quarantines_every_window_holding_it_bit_for_bit(tmp_path: Path) -> None:
+    """A bad token inside the stream (every window holding it has a NaN loss): the window
+    drawn at step 5 that holds it is isolated, and every window overlapping that one is
+    quarantined as one range, the bad token's other windows included: the one the sampler
+    draws at step 7 is skipped (one incident, not two), no window of the range is read
+    after the quarantine, and the run equals, bit for bit on every rank, one whose ledger
+    held the range from the start. The data budget charges the draws the range takes
+    away (its share of the windows), not its width: 33 ids against the 96 draws seen would
+    be over max_fraction=2%, their 1.1% share of the windows is not."""
+    culprit = draw_at(step=5, micro=1, row=2)
+    t = culprit + 10  # the bad token's position
+    later = draw_at(step=7, micro=0, row=2)  # a window drawn later that holds it too
+    assert later < t <= later + BLOCK and later != culprit
+    tokens = TOKENS.clone()
+    tokens[t] = POISON
+    budget = {"max_fraction": 0.02, "budget_min_samples": 0}
+    policy = {**EXACT, "quarantine": budget}
+    faulty = nano_loop(tmp_path / "faulty", policy, steps=10, tokens=tokens)
+    assert [i["details"]["cause"] for i in kinds(tmp_path / "faulty", "incident")] == ["data"]
+    assert not kinds(tmp_path / "faulty", "gave_up")
+    (q,) = kinds(tmp_path / "faulty", "quarantine")
+    lo, hi = culprit - BLOCK, culprit + BLOCK + 1
+    assert q["details"]["samples"] == [culprit] and q["details"]["ranges"] == [[lo, hi]]
+    share = (hi - lo) / (len(TOKENS) - BLOCK)  # of the windows the sampler draws from
+    d = q["details"]
+    assert d["total"] == hi - lo and d["fraction"] == pytest.approx(share)
+    assert d["lost"] == pytest.approx(share * d["samples_seen"])
+    assert d["total"] / d["samples_seen"] > budget["max_fraction"]  # a width would be over
+    (end,) = kinds(tmp_path / "faulty", "run_end")  # and the end, status and report say so
+    assert end["details"]["quarantined_fraction"] == pytest.approx(share)
+    assert totals(load(str(tmp_path / "faulty")))["quarantined_fraction"] == pytest.approx(share)
+    ledger = [json.loads(line) for line in (tmp_path / "faulty" / LEDGER_NAME).open()]
+    assert [e["range"] for e in ledger] == [[lo, hi]] and "sample" not in ledger[0]
+    assert audit(str(tmp_path / "faulty")) == []  # the journal's range is in the ledger
+    elsewhere = tmp_path / "other.jsonl"
+    elsewhere.write_text(json.dumps({"range": [lo, hi - 1]}) + "\n")  # one id short
+    (missing,) = audit(str(tmp_path / "faulty"), ledger_url=str(elsewhere))
+    assert f"[{lo}, {hi})" in missing
+    for r in faulty:
+        assert r["marked"] is not None
+        assert not [i for i in r["read"][r["marked"] :] if lo <= i < hi]
+    pre_dir = prequarantined_ranges(tmp_path, [[lo, hi]])
+    pre = nano_loop(pre_dir, policy, steps=10, tokens=tokens)
+    assert not kinds(pre_dir, "incident")
+    assert all(not [i for i in r["read"] if lo <= i < hi] for r in pre)
+    for a, b in zip(pre, faulty, strict=True):
+        assert_bitwise_equal(a["state"], b["state"], "final")
+
+
+def test_a_range_over_the_data_budget_stops_the_run(tmp_path: Path) -> None:
+    """The same bad token with max_fraction=0.5%: the range's share of the windows (1.1%)
+    is over it, so the run gives up on the data budget, naming that share."""
+    culprit = draw_at(step=5, micro=1, row=2)
+    tokens = TOKENS.clone()
+    tokens[culprit + 10] = POISON
+    policy = {**EXACT, "quarantine": {"max_fraction": 0.005, "budget_min_samples": 0}}
+    with pytest.raises(RankFailed, match="GaveUp"):  # the harness re-raises a rank's
+        nano_loop(tmp_path / "run", policy, steps=10, tokens=tokens)
+    (gave_up,) = kinds(tmp_path / "run", "gave_up")
+    d = gave_up["details"]
+    assert d["budget"] == "data" and gave_up["step"] == 5
+    assert d["fraction"] == pytest.approx((2 * BLOCK + 1) / (len(TOKENS) - BLOCK))
+    assert d["quarantined"] == list(range(culprit - BLOCK, culprit + BLOCK + 1))
 
 
 # --- examples/train_nanogpt.py under torchrun, 2 ranks ------------------------------------

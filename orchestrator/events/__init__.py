@@ -163,3 +163,21 @@ def quarantine_share(events: Iterable[Event[Any]]) -> tuple[int, int] | None:
         elif isinstance(r, RunEnd) and r.samples_seen is not None:
             share = (len(r.quarantined), r.samples_seen)
     return share
+
+
+def quarantine_fraction(events: Iterable[Event[Any]]) -> float | None:
+    """The data budget's fraction as the newest ``quarantine`` or ``run_end`` event states
+    it: the quarantined samples over those seen, or for windows of a token stream the
+    share of the draws their ranges take away (``lost``; docs/nanogpt.md), not the ranges'
+    width. None as for :func:`quarantine_share`."""
+    fraction = None
+    for e in events:
+        r = e.record
+        if isinstance(r, Quarantine) and r.samples_seen is not None and r.total is not None:
+            fraction = (r.lost if r.lost is not None else r.total) / max(r.samples_seen, 1)
+        elif isinstance(r, RunEnd) and r.samples_seen is not None:
+            said = e.details.get("quarantined_fraction")
+            fraction = float(said) if isinstance(said, int | float) else (
+                len(r.quarantined) / max(r.samples_seen, 1)
+            )  # fmt: skip
+    return fraction

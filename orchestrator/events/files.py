@@ -126,6 +126,7 @@ class Resume(Record):
 @dataclass(frozen=True, kw_only=True)
 class LedgerFailed(Record):
     samples: list[int] = field(default_factory=list)
+    ranges: list[list[int]] = field(default_factory=list)  # [lo, hi) id ranges
     error: str | None = None
 
 
@@ -133,6 +134,7 @@ class LedgerFailed(Record):
 @dataclass(frozen=True, kw_only=True)
 class LedgerWritten(Record):
     samples: list[int] = field(default_factory=list)
+    ranges: list[list[int]] = field(default_factory=list)  # [lo, hi) id ranges
 
 
 @kind("heartbeat_failed")

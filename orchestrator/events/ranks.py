@@ -106,8 +106,13 @@ class Quarantine(Record):
     reason: str | None = None
     ledger: str | None = None
     persisted: bool = True  # written to the ledger (older journals: always)
-    total: int | None = None  # quarantined so far
+    total: int | None = None  # quarantined so far (ids; a range counts its width)
     samples_seen: int | None = None
+    # Windows of a token stream (orchestrator/samplers.py): the [lo, hi) id ranges of the
+    # windows overlapping the samples, and what the data budget charged for the whole
+    # quarantine (the draws seen that it takes away).
+    ranges: list[list[int]] = field(default_factory=list)
+    lost: float | None = None
 
 
 @kind("rollback")
