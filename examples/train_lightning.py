@@ -24,6 +24,9 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 from orchestrator import load_policy
@@ -60,6 +63,17 @@ class Regressor(L.LightningModule):
         loss = torch.nn.functional.mse_loss(self.net(x).float(), y)
         self.log("train_loss", loss)
         return loss
+
+    def configure_model(self) -> None:
+        # FSDP2 under ModelParallelStrategy: each Linear, then the whole net, sharded over
+        # the data-parallel ranks (the strategy calls this on every rank; DDP does nothing).
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
@@ -120,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain", action="store_true", help="Lightning alone (no Guard)")
     ap.add_argument("--fp32", action="store_true", help="no bf16 autocast")
     ap.add_argument("--manual", action="store_true", help="manual optimization")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 (ModelParallelStrategy)")
     ap.add_argument(
         "--devices", type=int, default=1, help="without torchrun: Lightning starts this many"
     )
@@ -137,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = L.Trainer(
         accelerator="cpu" if not torch.cuda.is_available() else "auto",
         devices=world,
-        strategy="ddp" if world > 1 else "auto",
+        strategy=_strategy(world, args.fsdp),
         max_steps=args.steps,
         accumulate_grad_batches=1 if args.manual else accum,  # by hand in manual mode
         gradient_clip_val=None if args.manual else 1.0,
@@ -158,13 +173,14 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.save_final, exist_ok=True)
         torch.save(
             {
-                "model": module.state_dict(),
-                "optim": trainer.optimizers[0].state_dict(),
+                "model": _full(module.state_dict()),
+                "optim": _full(trainer.optimizers[0].state_dict()),
                 "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict(),
                 "curve": curve.rows,
                 "global_step": trainer.global_step,
                 "batches_that_stepped": trainer.fit_loop.epoch_loop._batches_that_stepped,
                 "guard_step": guard.guard.global_step if guard and guard.guard else -1,
+                "engine": guard.guard.engine.name if guard and guard.guard else None,
             },
             os.path.join(args.save_final, f"rank{rank}.pt"),
         )
@@ -173,6 +189,21 @@ def main(argv: list[str] | None = None) -> int:
         extra = "" if inner is None else f", {len(inner.incidents)} incident(s)"
         print(f"\ndone: {trainer.global_step} steps{extra}")
     return 0
+
+
+def _full(tree: Any) -> Any:
+    """``tree`` with every sharded tensor (FSDP2's DTensors) gathered whole, on every rank."""
+    if isinstance(tree, dict):
+        return {k: _full(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_full(v) for v in tree]
+    return tree.full_tensor() if isinstance(tree, DTensor) else tree
+
+
+def _strategy(world: int, fsdp: bool) -> Any:
+    if fsdp:  # FSDP2 over all ranks (no tensor parallelism)
+        return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    return "ddp" if world > 1 else "auto"
 
 
 if __name__ == "__main__":

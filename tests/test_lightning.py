@@ -45,15 +45,20 @@ def run(run_dir: Path, *args: str, policy: dict[str, Any] | None = None) -> list
     return states
 
 
-@pytest.mark.parametrize(
-    "mode",
-    ["automatic", pytest.param("manual", marks=pytest.mark.matrix)],
-)
+# FSDP2: Lightning's ModelParallelStrategy, the example's configure_model sharding each layer.
+MODES = {"automatic": (), "manual": ("--manual",), "fsdp": ("--fsdp",),
+         "fsdp-manual": ("--fsdp", "--manual")}  # fmt: skip
+PARAMS = ["automatic", "fsdp"] + [
+    pytest.param(m, marks=pytest.mark.matrix) for m in ("manual", "fsdp-manual")
+]
+
+
+@pytest.mark.parametrize("mode", PARAMS)
 def test_a_healthy_guarded_run_is_lightning_alone_bit_for_bit(tmp_path: Path, mode: str) -> None:
-    args = ("--manual",) if mode == "manual" else ()
+    args = MODES[mode]
     plain = run(tmp_path / "plain", "--plain", *args)
     guarded = run(tmp_path / "guarded", *args, policy=EXACT)
-    logged = STEPS * (2 if mode == "manual" else 1)  # manual: Lightning logs every batch
+    logged = STEPS * (2 if "manual" in mode else 1)  # manual: Lightning logs every batch
     for rank, (a, b) in enumerate(zip(plain, guarded, strict=True)):
         # The per-step train loss and epoch Lightning logged (across the epoch boundary),
         # the weights, the optimizer and scheduler state, Lightning's counters.
@@ -61,6 +66,9 @@ def test_a_healthy_guarded_run_is_lightning_alone_bit_for_bit(tmp_path: Path, mo
         for key in STATE:
             assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
         assert b["global_step"] == b["guard_step"] == STEPS
+        # Each rank's snapshots held its own FSDP2 shards (the final state compared is the
+        # whole of it, gathered on every rank).
+        assert b["engine"] == ("FrameworkFSDP2Engine" if "fsdp" in mode else "FrameworkEngine")
     assert not kinds(tmp_path / "guarded", "incident")
 
 
@@ -84,10 +92,7 @@ def test_lightning_s_own_launch_of_its_ranks_is_guarded_alike(tmp_path: Path) ->
         assert b["guard_step"] == STEPS
 
 
-@pytest.mark.parametrize(
-    "mode",
-    ["automatic", pytest.param("manual", marks=pytest.mark.matrix)],
-)
+@pytest.mark.parametrize("mode", PARAMS)
 def test_a_poison_sample_is_quarantined_and_a_transient_nan_rolled_back(
     tmp_path: Path, mode: str
 ) -> None:
@@ -96,7 +101,7 @@ def test_a_poison_sample_is_quarantined_and_a_transient_nan_rolled_back(
         {"kind": "poison_sample", "sample": bad},
         {"kind": "inf_loss", "step": 5, "rank": 0, "micro": 0},
     ]
-    args = ("--manual",) if mode == "manual" else ()
+    args = MODES[mode]
     faulty = run(tmp_path / "faulty", *args, policy={**EXACT, "faults": faults})
     poison, transient = kinds(tmp_path / "faulty", "incident")
     assert poison["step"] == 3 and poison["details"]["cause"] == "data"

@@ -39,7 +39,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
-from orchestrator.engines.framework import FrameworkEngine
+from orchestrator.engines.framework import FrameworkEngine, framework_engine
 from orchestrator.errors import UsageError
 from orchestrator.guard import COMMIT, INCIDENT, Guard
 from orchestrator.integrations.lightning_parts import (
@@ -157,14 +157,7 @@ class GuardCallback(Callback):
                 "GuardCallback needs Trainer(max_steps=N): the Guard replays refused steps, "
                 "so the fit runs until N steps are committed"
             )
-        strategy = type(trainer.strategy).__name__
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if strategy not in ("DDPStrategy", "SingleDeviceStrategy") or scaler is not None:
-            raise UsageError(
-                f"GuardCallback supports the DDP and single-device strategies in fp32 or bf16; "
-                f"{strategy}{' with fp16 (a GradScaler)' if scaler is not None else ''} is not "
-                "supported yet (docs/lightning.md)"
-            )
+        _check_strategy(trainer)
         if len(trainer.optimizers) != 1 or len(trainer.lr_scheduler_configs) > 1:
             raise UsageError("GuardCallback supports one optimizer and at most one LR scheduler")
         loaders = trainer.fit_loop._combined_loader.flattened
@@ -186,7 +179,7 @@ class GuardCallback(Callback):
         backward = strategy.backward
         self._backward_args = (optimizer,)
         scheduler = configs[0].scheduler if configs else None
-        engine = FrameworkEngine(
+        engine = framework_engine(
             strategy.model,
             optimizer,
             scheduler,
@@ -329,6 +322,29 @@ class GuardCallback(Callback):
         out = call._call_strategy_hook(trainer, "training_step", *kwargs.values())
         loss: torch.Tensor = out["loss"] if isinstance(out, dict) else out
         return loss
+
+
+_STRATEGIES = ("DDPStrategy", "SingleDeviceStrategy", "ModelParallelStrategy")
+
+
+def _check_strategy(trainer: Any) -> None:
+    """Refuse, with what to do, a strategy or precision the Guard cannot snapshot and undo."""
+    strategy = type(trainer.strategy).__name__
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if strategy not in _STRATEGIES or scaler is not None:
+        raise UsageError(
+            "GuardCallback supports the DDP, single-device and ModelParallelStrategy (FSDP2) "
+            f"strategies in fp32 or bf16; {strategy}"
+            f"{' with fp16 (a GradScaler)' if scaler is not None else ''} is not supported "
+            "yet (docs/lightning.md)"
+        )
+    tensor_parallel = getattr(trainer.strategy, "_tensor_parallel_size", 1)
+    if strategy == "ModelParallelStrategy" and tensor_parallel != 1:
+        raise UsageError(
+            f"GuardCallback: ModelParallelStrategy(tensor_parallel_size={tensor_parallel}): "
+            "the Guard snapshots FSDP2 shards over the data-parallel ranks alone; set "
+            "tensor_parallel_size=1 (data_parallel_size=the world size)"
+        )
 
 
 def _scheduled(
