@@ -45,11 +45,12 @@ def run(run_dir: Path, *args: str, policy: dict[str, Any] | None = None) -> list
     return states
 
 
-# FSDP2: Lightning's ModelParallelStrategy, the example's configure_model sharding each layer.
-MODES = {"automatic": (), "manual": ("--manual",), "fsdp": ("--fsdp",),
-         "fsdp-manual": ("--fsdp", "--manual")}  # fmt: skip
-PARAMS = ["automatic", "fsdp"] + [
-    pytest.param(m, marks=pytest.mark.matrix) for m in ("manual", "fsdp-manual")
+# FSDP1: Lightning's FSDPStrategy (examples/train_lightning.py: CPUFSDPStrategy on CPU);
+# FSDP2: its ModelParallelStrategy, the example's configure_model sharding each layer.
+MODES = {"automatic": (), "manual": ("--manual",), "fsdp1": ("--fsdp", "1"),
+         "fsdp2": ("--fsdp", "2"), "fsdp2-manual": ("--fsdp", "2", "--manual")}  # fmt: skip
+PARAMS = ["automatic", "fsdp1", "fsdp2"] + [
+    pytest.param(m, marks=pytest.mark.matrix) for m in ("manual", "fsdp2-manual")
 ]
 
 
@@ -66,9 +67,10 @@ def test_a_healthy_guarded_run_is_lightning_alone_bit_for_bit(tmp_path: Path, mo
         for key in STATE:
             assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
         assert b["global_step"] == b["guard_step"] == STEPS
-        # Each rank's snapshots held its own FSDP2 shards (the final state compared is the
-        # whole of it, gathered on every rank).
-        assert b["engine"] == ("FrameworkFSDP2Engine" if "fsdp" in mode else "FrameworkEngine")
+        # Under FSDP each rank's snapshots held its own shards (the final state compared is
+        # the whole of it, gathered on every rank).
+        fsdp = mode.startswith("fsdp")
+        assert b["engine"] == (f"FrameworkFSDP{mode[4]}Engine" if fsdp else "FrameworkEngine")
     assert not kinds(tmp_path / "guarded", "incident")
 
 

@@ -36,6 +36,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
@@ -324,22 +330,23 @@ class GuardCallback(Callback):
         return loss
 
 
-_STRATEGIES = ("DDPStrategy", "SingleDeviceStrategy", "ModelParallelStrategy")
-
-
 def _check_strategy(trainer: Any) -> None:
     """Refuse, with what to do, a strategy or precision the Guard cannot snapshot and undo."""
-    strategy = type(trainer.strategy).__name__
+    strategy = trainer.strategy
+    # DDP's own subclasses (DeepSpeed's) are not DDP to the Guard; FSDP's are FSDP.
+    known = type(strategy) in (DDPStrategy, SingleDeviceStrategy) or isinstance(
+        strategy, (FSDPStrategy, ModelParallelStrategy)
+    )
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if strategy not in _STRATEGIES or scaler is not None:
+    if not known or scaler is not None:
         raise UsageError(
-            "GuardCallback supports the DDP, single-device and ModelParallelStrategy (FSDP2) "
-            f"strategies in fp32 or bf16; {strategy}"
+            "GuardCallback supports the DDP, single-device, FSDP and ModelParallelStrategy "
+            f"(FSDP2) strategies in fp32 or bf16; {type(strategy).__name__}"
             f"{' with fp16 (a GradScaler)' if scaler is not None else ''} is not supported "
             "yet (docs/lightning.md)"
         )
-    tensor_parallel = getattr(trainer.strategy, "_tensor_parallel_size", 1)
-    if strategy == "ModelParallelStrategy" and tensor_parallel != 1:
+    tensor_parallel = getattr(strategy, "_tensor_parallel_size", 1)
+    if isinstance(strategy, ModelParallelStrategy) and tensor_parallel != 1:
         raise UsageError(
             f"GuardCallback: ModelParallelStrategy(tensor_parallel_size={tensor_parallel}): "
             "the Guard snapshots FSDP2 shards over the data-parallel ranks alone; set "
