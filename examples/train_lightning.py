@@ -2,6 +2,7 @@
 DDP, gradient accumulation, clipping, bf16, an LR scheduler stepped every optimizer step.
 
     torchrun --nproc-per-node 2 examples/train_lightning.py --steps 8
+    torchrun --nproc-per-node 2 examples/train_lightning.py --fsdp 2  # FSDP2 (or 1: FSDP)
     python examples/train_lightning.py --devices 2 --steps 8  # Lightning starts rank 1
     orchestrator launch --nproc-per-node 2 examples/train_lightning.py --steps 8
 
@@ -85,10 +86,7 @@ class Regressor(L.LightningModule):
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> Any:
-        # FSDP1's optimizer takes its flat parameters, which the wrapped model holds.
-        fsdp1 = isinstance(self.trainer.strategy, FSDPStrategy)
-        params = (self.trainer.model if fsdp1 else self).parameters()
-        opt = torch.optim.AdamW(params, lr=3e-3)
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

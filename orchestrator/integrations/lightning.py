@@ -2,7 +2,8 @@
 
 ``Trainer(..., callbacks=[GuardCallback(policy)])`` is the Lightning fit with every optimizer
 step judged, refused steps rolled back, poisoned samples quarantined. Lightning keeps its
-loop, its automatic optimization (closures), DDP ``no_sync``, ``accumulate_grad_batches``,
+loop, its automatic optimization (closures), DDP ``no_sync`` (or FSDP, FSDP2: the engine
+snapshots each rank's shards), ``accumulate_grad_batches``,
 ``gradient_clip_val``, bf16, its optimizer and scheduler steps, its counters, callbacks and
 logging; the callback hooks in at the start of training (docs/dev/issue-32-design.md §3):
 
