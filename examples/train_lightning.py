@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import tempfile
 import warnings
 from typing import Any
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 from torch.utils.data import DataLoader, Dataset
 
-from orchestrator import load_policy
+from orchestrator import exit_process, load_policy
 from orchestrator.integrations.lightning import GuardCallback
 
 DIM = 16
@@ -226,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         inner = guard.guard if guard is not None else None
         extra = "" if inner is None else f", {len(inner.incidents)} incident(s)"
         print(f"\ndone: {trainer.global_step} steps{extra}")
+    trainer.strategy.barrier()  # every rank's files written before any rank leaves
     return 0
 
 
@@ -248,4 +248,6 @@ def _strategy(world: int, fsdp: int | None) -> Any:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Without the interpreter's teardown, where gloo can abort a process whose groups are
+    # still alive (Lightning leaves them; a Guard fences them at exit, Lightning alone not).
+    exit_process(main())
