@@ -227,17 +227,21 @@ def test_one_process_with_validation_and_what_is_refused(tmp_path: Path) -> None
 
 
 @pytest.mark.matrix
-def test_a_preempted_run_resumes_bit_for_bit_with_the_same_command(tmp_path: Path) -> None:
-    plain = run(tmp_path / "plain", "--plain")
+@pytest.mark.parametrize("mode", ["automatic", "fsdp1", "fsdp2"])
+def test_a_preempted_run_resumes_bit_for_bit_with_the_same_command(
+    tmp_path: Path, mode: str
+) -> None:
+    args = MODES[mode]  # under FSDP each rank resumes its own shards from its durable part
+    plain = run(tmp_path / "plain", "--plain", *args)
     d = tmp_path / "run"
     policy = {**EXACT, "faults": [{"kind": "preempt", "step": 5, "rank": 1}]}
-    r = train(d, 2, "--steps", str(STEPS), policy=policy, script=SCRIPT)
+    r = train(d, 2, "--steps", str(STEPS), *args, policy=policy, script=SCRIPT)
     assert r.returncode != 0, r.stdout[-3000:]
     # The stop agreed at step 5's check waits for Lightning to finish that step (its
     # scheduler step, counters and log): the snapshot is of step 6's start.
     (pre,) = kinds(d, "preempted")
     assert pre["details"]["persisted"] and pre["details"]["durable_step"] == 6
-    resumed = run(d, policy=policy)  # the same command: resumes, the fault already fired
+    resumed = run(d, *args, policy=policy)  # the same command: resumes, the fault fired
     (resume,) = kinds(d, "resume")
     assert resume["details"]["snapshot_step"] == 6
     for rank, (a, b) in enumerate(zip(plain, resumed, strict=True)):
