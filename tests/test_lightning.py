@@ -45,15 +45,21 @@ def run(run_dir: Path, *args: str, policy: dict[str, Any] | None = None) -> list
     return states
 
 
-@pytest.mark.parametrize(
-    "mode",
-    ["automatic", pytest.param("manual", marks=pytest.mark.matrix)],
-)
+# FSDP1: Lightning's FSDPStrategy (examples/train_lightning.py: CPUFSDPStrategy on CPU);
+# FSDP2: its ModelParallelStrategy, the example's configure_model sharding each layer.
+MODES = {"automatic": (), "manual": ("--manual",), "fsdp1": ("--fsdp", "1"),
+         "fsdp2": ("--fsdp", "2"), "fsdp2-manual": ("--fsdp", "2", "--manual")}  # fmt: skip
+PARAMS = ["automatic", "fsdp1", "fsdp2"] + [
+    pytest.param(m, marks=pytest.mark.matrix) for m in ("manual", "fsdp2-manual")
+]
+
+
+@pytest.mark.parametrize("mode", PARAMS)
 def test_a_healthy_guarded_run_is_lightning_alone_bit_for_bit(tmp_path: Path, mode: str) -> None:
-    args = ("--manual",) if mode == "manual" else ()
+    args = MODES[mode]
     plain = run(tmp_path / "plain", "--plain", *args)
     guarded = run(tmp_path / "guarded", *args, policy=EXACT)
-    logged = STEPS * (2 if mode == "manual" else 1)  # manual: Lightning logs every batch
+    logged = STEPS * (2 if "manual" in mode else 1)  # manual: Lightning logs every batch
     for rank, (a, b) in enumerate(zip(plain, guarded, strict=True)):
         # The per-step train loss and epoch Lightning logged (across the epoch boundary),
         # the weights, the optimizer and scheduler state, Lightning's counters.
@@ -61,6 +67,10 @@ def test_a_healthy_guarded_run_is_lightning_alone_bit_for_bit(tmp_path: Path, mo
         for key in STATE:
             assert_bitwise_equal(a[key], b[key], f"rank {rank} {key}")
         assert b["global_step"] == b["guard_step"] == STEPS
+        # Under FSDP each rank's snapshots held its own shards (the final state compared is
+        # the whole of it, gathered on every rank).
+        fsdp = mode.startswith("fsdp")
+        assert b["engine"] == (f"FrameworkFSDP{mode[4]}Engine" if fsdp else "FrameworkEngine")
     assert not kinds(tmp_path / "guarded", "incident")
 
 
@@ -84,10 +94,7 @@ def test_lightning_s_own_launch_of_its_ranks_is_guarded_alike(tmp_path: Path) ->
         assert b["guard_step"] == STEPS
 
 
-@pytest.mark.parametrize(
-    "mode",
-    ["automatic", pytest.param("manual", marks=pytest.mark.matrix)],
-)
+@pytest.mark.parametrize("mode", PARAMS)
 def test_a_poison_sample_is_quarantined_and_a_transient_nan_rolled_back(
     tmp_path: Path, mode: str
 ) -> None:
@@ -96,7 +103,7 @@ def test_a_poison_sample_is_quarantined_and_a_transient_nan_rolled_back(
         {"kind": "poison_sample", "sample": bad},
         {"kind": "inf_loss", "step": 5, "rank": 0, "micro": 0},
     ]
-    args = ("--manual",) if mode == "manual" else ()
+    args = MODES[mode]
     faulty = run(tmp_path / "faulty", *args, policy={**EXACT, "faults": faults})
     poison, transient = kinds(tmp_path / "faulty", "incident")
     assert poison["step"] == 3 and poison["details"]["cause"] == "data"
@@ -220,17 +227,21 @@ def test_one_process_with_validation_and_what_is_refused(tmp_path: Path) -> None
 
 
 @pytest.mark.matrix
-def test_a_preempted_run_resumes_bit_for_bit_with_the_same_command(tmp_path: Path) -> None:
-    plain = run(tmp_path / "plain", "--plain")
+@pytest.mark.parametrize("mode", ["automatic", "fsdp1", "fsdp2"])
+def test_a_preempted_run_resumes_bit_for_bit_with_the_same_command(
+    tmp_path: Path, mode: str
+) -> None:
+    args = MODES[mode]  # under FSDP each rank resumes its own shards from its durable part
+    plain = run(tmp_path / "plain", "--plain", *args)
     d = tmp_path / "run"
     policy = {**EXACT, "faults": [{"kind": "preempt", "step": 5, "rank": 1}]}
-    r = train(d, 2, "--steps", str(STEPS), policy=policy, script=SCRIPT)
+    r = train(d, 2, "--steps", str(STEPS), *args, policy=policy, script=SCRIPT)
     assert r.returncode != 0, r.stdout[-3000:]
     # The stop agreed at step 5's check waits for Lightning to finish that step (its
     # scheduler step, counters and log): the snapshot is of step 6's start.
     (pre,) = kinds(d, "preempted")
     assert pre["details"]["persisted"] and pre["details"]["durable_step"] == 6
-    resumed = run(d, policy=policy)  # the same command: resumes, the fault already fired
+    resumed = run(d, *args, policy=policy)  # the same command: resumes, the fault fired
     (resume,) = kinds(d, "resume")
     assert resume["details"]["snapshot_step"] == 6
     for rank, (a, b) in enumerate(zip(plain, resumed, strict=True)):

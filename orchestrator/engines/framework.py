@@ -9,6 +9,10 @@ alone, so a healthy run is bit for bit the framework's), a committed step applie
 optimizer only (the framework steps its scheduler and zeroes the gradients after it, as it
 does alone), and no step of the framework's is refused.
 
+Under FSDP the snapshot and restore are the FSDP engine's (each rank its own shards):
+:func:`framework_engine` picks :class:`FrameworkFSDP2Engine` or :class:`FrameworkFSDP1Engine`,
+which combine this engine's backward and step with that engine's state handling.
+
 The framework's wrappers are unwrapped here (:func:`unwrap_optimizer`): the snapshot holds
 the inner optimizer and scheduler, restored in place, so the wrappers see the restored state.
 """
@@ -20,6 +24,7 @@ from typing import Any
 
 import torch
 
+from orchestrator.engines.fsdp import FSDP1Engine, FSDP2Engine, is_fsdp2
 from orchestrator.engines.torch_native import TorchEngine
 from orchestrator.errors import UsageError
 
@@ -98,3 +103,29 @@ class FrameworkEngine(TorchEngine):
         # The framework steps its scheduler and zeroes the gradients after this, as it does
         # without the Guard; on a refused step the integration tells it the step was skipped.
         self._optimizer_step(lr_multiplier, overflow)
+
+
+# The framework's side (backward, step) first in the MRO, the FSDP engine's state handling
+# (snapshot, restore, gradients and gradient sync of its shards) after it: FrameworkEngine's
+# __init__ reaches the FSDP engine's through super().
+class FrameworkFSDP2Engine(FrameworkEngine, FSDP2Engine):
+    """FSDP2 (``fully_shard``) under a framework's loop: :class:`FrameworkEngine`'s backward
+    and step, :class:`FSDP2Engine`'s snapshots of this rank's own shards."""
+
+
+class FrameworkFSDP1Engine(FrameworkEngine, FSDP1Engine):
+    """FSDP1 (``FullyShardedDataParallel``) under a framework's loop: :class:`FrameworkEngine`'s
+    backward and step, :class:`FSDP1Engine`'s snapshots of this rank's own shards."""
+
+
+def framework_engine(model: torch.nn.Module, *args: Any, **kwargs: Any) -> FrameworkEngine:
+    """The :class:`FrameworkEngine` for ``model`` as the framework wrapped it (FSDP1, FSDP2
+    parameters, else plain PyTorch or DDP), built with the same arguments."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    cls: type[FrameworkEngine] = FrameworkEngine
+    if isinstance(model, FullyShardedDataParallel):
+        cls = FrameworkFSDP1Engine
+    elif is_fsdp2(model):
+        cls = FrameworkFSDP2Engine
+    return cls(model, *args, **kwargs)

@@ -2,7 +2,8 @@
 
 ``Trainer(..., callbacks=[GuardCallback(policy)])`` is the Lightning fit with every optimizer
 step judged, refused steps rolled back, poisoned samples quarantined. Lightning keeps its
-loop, its automatic optimization (closures), DDP ``no_sync``, ``accumulate_grad_batches``,
+loop, its automatic optimization (closures), DDP ``no_sync`` (or FSDP, FSDP2: the engine
+snapshots each rank's shards), ``accumulate_grad_batches``,
 ``gradient_clip_val``, bf16, its optimizer and scheduler steps, its counters, callbacks and
 logging; the callback hooks in at the start of training (docs/dev/issue-32-design.md §3):
 
@@ -36,10 +37,16 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
-from orchestrator.engines.framework import FrameworkEngine
+from orchestrator.engines.framework import FrameworkEngine, framework_engine
 from orchestrator.errors import UsageError
 from orchestrator.guard import COMMIT, INCIDENT, Guard
 from orchestrator.integrations.lightning_parts import (
@@ -157,14 +164,7 @@ class GuardCallback(Callback):
                 "GuardCallback needs Trainer(max_steps=N): the Guard replays refused steps, "
                 "so the fit runs until N steps are committed"
             )
-        strategy = type(trainer.strategy).__name__
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if strategy not in ("DDPStrategy", "SingleDeviceStrategy") or scaler is not None:
-            raise UsageError(
-                f"GuardCallback supports the DDP and single-device strategies in fp32 or bf16; "
-                f"{strategy}{' with fp16 (a GradScaler)' if scaler is not None else ''} is not "
-                "supported yet (docs/lightning.md)"
-            )
+        _check_strategy(trainer)
         if len(trainer.optimizers) != 1 or len(trainer.lr_scheduler_configs) > 1:
             raise UsageError("GuardCallback supports one optimizer and at most one LR scheduler")
         loaders = trainer.fit_loop._combined_loader.flattened
@@ -186,7 +186,7 @@ class GuardCallback(Callback):
         backward = strategy.backward
         self._backward_args = (optimizer,)
         scheduler = configs[0].scheduler if configs else None
-        engine = FrameworkEngine(
+        engine = framework_engine(
             strategy.model,
             optimizer,
             scheduler,
@@ -329,6 +329,30 @@ class GuardCallback(Callback):
         out = call._call_strategy_hook(trainer, "training_step", *kwargs.values())
         loss: torch.Tensor = out["loss"] if isinstance(out, dict) else out
         return loss
+
+
+def _check_strategy(trainer: Any) -> None:
+    """Refuse, with what to do, a strategy or precision the Guard cannot snapshot and undo."""
+    strategy = trainer.strategy
+    # DDP's own subclasses (DeepSpeed's) are not DDP to the Guard; FSDP's are FSDP.
+    known = type(strategy) in (DDPStrategy, SingleDeviceStrategy) or isinstance(
+        strategy, (FSDPStrategy, ModelParallelStrategy)
+    )
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if not known or scaler is not None:
+        raise UsageError(
+            "GuardCallback supports the DDP, single-device, FSDP and ModelParallelStrategy "
+            f"(FSDP2) strategies in fp32 or bf16; {type(strategy).__name__}"
+            f"{' with fp16 (a GradScaler)' if scaler is not None else ''} is not supported "
+            "yet (docs/lightning.md)"
+        )
+    tensor_parallel = getattr(strategy, "_tensor_parallel_size", 1)
+    if isinstance(strategy, ModelParallelStrategy) and tensor_parallel != 1:
+        raise UsageError(
+            f"GuardCallback: ModelParallelStrategy(tensor_parallel_size={tensor_parallel}): "
+            "the Guard snapshots FSDP2 shards over the data-parallel ranks alone; set "
+            "tensor_parallel_size=1 (data_parallel_size=the world size)"
+        )
 
 
 def _scheduled(
