@@ -84,19 +84,22 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
     dst.copy_(src)  # first touch of the pages is not part of a copy
     src_np, dst_np = src.numpy(), dst.numpy()
     shm_ring, shm = _shm_ring(comm, engine, state_bytes)
-    t = interleaved(
-        {
-            "ours": lambda: ring.capture(2, engine.state()),
-            "shm": shm_ring,
-            "memcpy": copy_baseline(_tensors(engine.state())),
-            "numpy": lambda: np.copyto(dst_np, src_np),
-        },
-        reps,
-    )
+    close_shm = shm.pop("close")
+    try:  # a failed case must not leave its ring in /dev/shm
+        t = interleaved(
+            {
+                "ours": lambda: ring.capture(2, engine.state()),
+                "shm": shm_ring,
+                "memcpy": copy_baseline(_tensors(engine.state())),
+                "numpy": lambda: np.copyto(dst_np, src_np),
+            },
+            reps,
+        )
+        barrier()
+    finally:
+        close_shm()
     steady_s, memcpy_s, memcpy_np_s = t["ours"], t["memcpy"], t["numpy"]
     shm["shm_ms"] = t["shm"] * 1e3
-    barrier()
-    shm.pop("close")()
 
     base = _shared_dir(comm)
     n = 0
@@ -190,7 +193,9 @@ def _shm_ring(comm: Comm, engine: TorchEngine, state_bytes: int) -> tuple[Any, d
     """The ring in node shared memory (snapshot.shared_memory), every rank of this machine
     on one node: the replicated state is kept once, each rank copying its share. Returns a
     steady capture to time, and its numbers (``close`` removes it)."""
-    root = str(comm.broadcast_object(tempfile.mkdtemp(prefix="bench-suite-shm-", dir="/dev/shm")))
+    # Rank 0's folder, made by rank 0 only (one per rank left the others' behind, empty).
+    made = tempfile.mkdtemp(prefix="bench-suite-shm-", dir="/dev/shm") if comm.rank == 0 else None
+    root = str(comm.broadcast_object(made))
     token = str(comm.broadcast_object(os.urandom(4).hex()))
     ranks = list(range(comm.world_size))
     slots = ShmSlots(root, comm.rank, comm.world_size, 2, attempt=0, node_ranks=ranks, token=token)
@@ -198,12 +203,16 @@ def _shm_ring(comm: Comm, engine: TorchEngine, state_bytes: int) -> tuple[Any, d
     keys = list(engine.state())
     alike = frozenset(keys) - set(engine.part_keys(keys, holds_shared=False))
     barrier()
-    t0 = time.perf_counter()
-    first = ring.capture(0, engine.state(), alike)
-    first_s = time.perf_counter() - t0
-    assert first is not None
-    first.sealed = True
-    ring.capture(1, engine.state(), alike)
+    try:  # a slot /dev/shm has no room for: nothing left there
+        t0 = time.perf_counter()
+        first = ring.capture(0, engine.state(), alike)
+        first_s = time.perf_counter() - t0
+        assert first is not None
+        first.sealed = True
+        ring.capture(1, engine.state(), alike)
+    except BaseException:
+        slots.close(remove=True)
+        raise
     barrier()
     node_bytes = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
     return lambda: ring.capture(2, engine.state(), alike), {

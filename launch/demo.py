@@ -2,7 +2,8 @@
 
 The example GPT trains under the supervisor with a transient NaN (step 37, rank 1) and a
 hard crash (step 70, rank 0) injected: detect -> roll back -> crash -> restart -> resume
-from the durable snapshot -> done. Then the journal is told back as a short story.
+from the node's shared-memory ring (the default where /dev/shm has room; else the durable
+snapshot) -> done. Then the journal is told back as a short story.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from orchestrator.events import (
     Resume,
     Rollback,
     RunEnd,
+    ShmFallback,
     SupervisorExit,
 )
 from orchestrator.journal import read_events
@@ -81,7 +83,11 @@ def story(run_dir: str) -> list[str]:
             out.append(f"attempt {e.attempt} ended ({r.cause}, exit {r.returncode}): "
                        f"restart in {r.delay_s or 0.0:.1f} s")  # fmt: skip
         elif isinstance(r, Resume):
-            out.append(f"attempt {e.attempt}: resumed from the snapshot of step {step}")
+            where = {"shm": "in shared memory", "remote": "durable", "local": "node-local"}
+            tier = f"{where.get(r.tier, r.tier)} snapshot" if r.tier else "snapshot"
+            out.append(f"attempt {e.attempt}: resumed from the {tier} of step {step}")
+        elif isinstance(r, ShmFallback):
+            out.append(f"attempt {e.attempt}: snapshots in private memory: {r.why}")
         elif isinstance(r, RunEnd):
             what = "training finished" if r.status == "finished" else "workers stopped"
             out.append(f"step {step}: {what} ({r.incidents} incident(s) in this attempt)")

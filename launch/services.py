@@ -51,8 +51,10 @@ class Services:
 
     def start(self) -> None:
         """What runs before the journal opens: the janitor and the replica server."""
-        # Removes the ring should this process die without close() below (SIGKILL).
-        if self.policy.snapshot.shared_memory:
+        # Removes the ring should this process die without close() below (SIGKILL). Under
+        # shared_memory: auto only the ranks know whether the ring fits (they size it): a
+        # janitor of a ring never made removes nothing.
+        if self.policy.snapshot.shared_memory is not False:
             self.janitor = Janitor(self.shm_dir, lock_path(self.run_dir, self.node))
         if self.policy.snapshot.replicate == "buddy" and self.peers.nnodes > 1:
             self.replica = Replicator(

@@ -36,6 +36,7 @@ from orchestrator.quarantine import Entry, Ledger
 from orchestrator.recovery import Recovery
 from orchestrator.recovery_policy import RecoveryPolicy
 from orchestrator.shm import ShmSlots
+from orchestrator.shm_room import in_shared_memory
 from orchestrator.snapshot import SnapshotRing
 from orchestrator.startup import (
     MemoryBudget,
@@ -131,7 +132,7 @@ def build(
         LedgerUnreadable: the quarantine ledger does not parse.
     """
     p, comm = policy, ctx.comm
-    shm, ring = _ring(p.snapshot, ctx, engine, teardown)
+    shm, ring = _ring(p.snapshot, ctx, engine, user, teardown)
     adjuster = LRAdjuster(p.adjust)
     ledger, in_ledger, held, suspect = _ledger(p, ctx)
     marker = StepMarker(ctx.run_dir, comm.global_rank, ctx.attempt)
@@ -165,8 +166,8 @@ def build(
         health=health, recovery=recovery, cursor=cursor,
     )  # fmt: skip
     autotune = AutoTune(
-        ctx, _tuner(p), intervals, durable=durable, keeper=keeper, recovery=recovery,
-        event=hooks.event,
+        ctx, _tuner(p, shm is not None), intervals, durable=durable, keeper=keeper,
+        recovery=recovery, event=hooks.event,
     )  # fmt: skip
     return Components(
         ctx, shm, ring, adjuster, cursor, marker, durable, heartbeat, keeper, check, metrics,
@@ -176,11 +177,12 @@ def build(
 
 
 def _ring(
-    snap: SnapshotPolicy, ctx: Context, engine: Engine, teardown: Teardown
+    snap: SnapshotPolicy, ctx: Context, engine: Engine, user: UserState, teardown: Teardown
 ) -> tuple[ShmSlots | None, SnapshotRing]:
-    """The host ring: in this rank's shared-memory slots (``snapshot.shared_memory``) or
-    in private memory."""
-    shm = open_shm(snap, ctx.comm, ctx.run_dir, ctx.attempt)  # None: private memory
+    """The host ring: in this rank's shared-memory slots (``snapshot.shared_memory``, auto:
+    where the node has room, orchestrator/shm_room.py) or in private memory."""
+    use = in_shared_memory(snap, ctx.comm, engine, ctx.run_dir, user.nbytes(), ctx.decide)
+    shm = open_shm(snap, ctx.comm, ctx.run_dir, ctx.attempt, use)  # None: private memory
     if shm is not None:
         teardown.add(lambda: shm.close(remove=ENV_SHM_DIR not in os.environ))
     reserve = engine.estimate_state_bytes()
@@ -223,13 +225,14 @@ def _heartbeat(p: Policy, ctx: Context, hooks: Hooks) -> Heartbeat:
     )
 
 
-def _tuner(p: Policy) -> Tuner:
-    """``every_steps: auto``'s chooser (inactive when no interval is automatic)."""
+def _tuner(p: Policy, in_shm: bool) -> Tuner:
+    """``every_steps: auto``'s chooser (inactive when no interval is automatic); ``in_shm``:
+    the ring is in shared memory (restarts resume from it too)."""
     return Tuner(
         p.tune,
         p.snapshot.auto_every_steps,
         p.persist.auto_every_steps,
-        p.snapshot.shared_memory,
+        in_shm,
         ring_min_steps(p.snapshot),
     )
 

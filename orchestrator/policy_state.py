@@ -43,10 +43,14 @@ class SnapshotPolicy(_Section):
         description="Budget for the ring on this host (all local ranks together); "
         "null means only the free host memory limits it.",
     )
-    shared_memory: bool = Field(
-        False,
+    shared_memory: bool | Literal["auto"] = Field(
+        "auto",
         description="Keep the ring in node shared memory (files under shm_dir): a restart "
-        "on the same node resumes from it instead of the durable tier.",
+        "on the same node resumes from it instead of the durable tier. auto: there under "
+        "the supervisor (`orchestrator launch`, which keeps it across restarts and removes "
+        "it) when shm_dir has room for the ring of every local rank plus headroom, checked "
+        "at start, else private memory with one shm_fallback event saying why; true: there "
+        "or a failed start; false: private memory.",
     )
     shm_dir: str = Field(
         "/dev/shm", description="Where the shared-memory ring lives (a tmpfs on each node)."
@@ -56,7 +60,7 @@ class SnapshotPolicy(_Section):
         description="buddy: each node's supervisor copies its newest complete sealed slot "
         "into another node's shared memory (over TCP, off the training processes), so a "
         "node that is replaced or loses its ring resumes from that copy instead of the "
-        "durable tier. Needs shared_memory and the supervisor under several nodes.",
+        "durable tier. Needs shared_memory: true and the supervisor under several nodes.",
     )
 
     _every = field_validator("every_steps", mode="before")(classmethod(_int_or_auto))
@@ -68,10 +72,12 @@ class SnapshotPolicy(_Section):
 
     @model_validator(mode="after")
     def _age_reachable(self) -> SnapshotPolicy:
-        if self.replicate != "none" and not self.shared_memory:
+        if self.replicate != "none" and self.shared_memory is not True:
+            # auto could leave the ring in private memory (no room), with nothing to copy.
             raise ValueError(
                 f"replicate={self.replicate!r} copies the shared-memory ring: set "
-                "shared_memory: true too, or replicate: none"
+                "shared_memory: true too (auto may keep the ring in private memory), or "
+                "replicate: none"
             )
         if self.auto_every_steps:
             return self  # the tuner keeps (keep-1)*every_steps above both (tuning.py)

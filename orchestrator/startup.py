@@ -129,10 +129,13 @@ def load_ledger(
     return loaded, held, found
 
 
-def open_shm(snap: SnapshotPolicy, comm: Comm, run_dir: str, attempt: int) -> ShmSlots | None:
-    """This rank's slots of the shared-memory ring (snapshot.shared_memory), in the folder
-    the supervisor named for this run and node, else in one of our own under shm_dir."""
-    if not snap.shared_memory:
+def open_shm(
+    snap: SnapshotPolicy, comm: Comm, run_dir: str, attempt: int, enabled: bool
+) -> ShmSlots | None:
+    """This rank's slots of the shared-memory ring (``enabled``: snapshot.shared_memory as
+    orchestrator/shm_room.py chose it), in the folder the supervisor named for this run and
+    node, else in one of our own under shm_dir."""
+    if not enabled:
         return None
     node = node_name()
     root = os.environ.get(ENV_SHM_DIR) or shm_root(snap.shm_dir, run_dir, node)
@@ -220,15 +223,19 @@ def check_memory(
     elif shm_root is not None:
         free = _free_for(shm_root)
         if need > free:
-            problem = f"{detail.replace('of host memory', f'in {snap.shm_dir}')}, but " + (
-                f"only {free / gib:.2f} GiB is free there"
-                if os.path.isdir(snap.shm_dir)
-                else "it does not exist"
+            problem = (
+                f"snapshot.shared_memory: {str(snap.shared_memory).lower()}: "
+                f"{detail.replace('of host memory', f'in {snap.shm_dir}')}, but "
+                + (
+                    f"only {free / gib:.2f} GiB is free there"
+                    if os.path.isdir(snap.shm_dir)
+                    else "it does not exist"
+                )
             )
+            instead = " (or auto: shared memory where it has room, else private)"
             remedy = (
-                f"free or enlarge {snap.shm_dir} (`df -h {snap.shm_dir}`; a container's "
-                "/dev/shm is often 64 MiB: docker --shm-size), lower snapshot.keep, or set "
-                "snapshot.shared_memory: false"
+                f"free or {how_to_give_room(snap.shm_dir)}, or set snapshot.shared_memory: "
+                f"false{instead if snap.shared_memory is True else ''}"
             )
     else:
         avail = _available_host_bytes()
@@ -238,6 +245,16 @@ def check_memory(
     if problems:
         raise PolicyError(f"{problems[0][0]}: {problems[0][1]}")
     return need
+
+
+def how_to_give_room(shm_dir: str) -> str:
+    """What a person can do when ``shm_dir`` is too small for the ring."""
+    return (
+        f"enlarge {shm_dir} (`df -h {shm_dir}`; a container's /dev/shm is often 64 MiB: "
+        "`docker run --shm-size=16g`, or in Kubernetes an emptyDir volume with medium: "
+        "Memory mounted at /dev/shm), point snapshot.shm_dir at a tmpfs with room, or "
+        "lower snapshot.keep"
+    )
 
 
 def _ring_need(

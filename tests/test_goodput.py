@@ -231,6 +231,9 @@ def test_prometheus_endpoint_and_alerts(tmp_path: Path) -> None:
              f"import sys; open({str(got)!r}, 'a').write(sys.stdin.read() + '\\n')"]  # fmt: skip
     policy = {
         "supervisor": SUP,
+        # The private ring: its snapshots' age is the tier "memory" read below (the ring in
+        # shared memory, the default where /dev/shm has room, is the tier "shm").
+        "snapshot": {"shared_memory": False},
         "persist": {"every_steps": 20},
         "export": {"prometheus_port": 0, "prometheus_addr": "127.0.0.1"},
         "alerts": {"command": alert},

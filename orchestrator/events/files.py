@@ -1,6 +1,7 @@
 """The records of the events about files: the durable tier's writes, retention and
-resumes, the quarantine ledger's writes, and the run directory's own files (journal,
-metrics, heartbeats) when a write fails. Written by the ranks."""
+resumes, where the snapshot ring lives, the quarantine ledger's writes, and the run
+directory's own files (journal, metrics, heartbeats) when a write fails. Written by the
+ranks."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ __all__ = [
     "SnapshotInvalid",
     "StorageUnreachable",
     "Resume",
+    "ShmFallback",
     "LedgerFailed",
     "LedgerWritten",
     "HeartbeatFailed",
@@ -120,6 +122,21 @@ class Resume(Record):
     tier: str | None = None  # durable, local, shm, buddy, ...
     url: str | None = None
     saved_world_size: int | None = None
+
+
+@kind("shm_fallback")
+@dataclass(frozen=True, kw_only=True)
+class ShmFallback(Record):
+    """snapshot.shared_memory: auto kept the ring in private memory: the tightest node's
+    shm_dir had no room for it plus headroom (orchestrator/shm_room.py)."""
+
+    need_bytes: int | None = None
+    headroom_bytes: int | None = None
+    free_bytes: int | None = None
+    path: str | None = None  # snapshot.shm_dir
+    node: str | None = None
+    why: str | None = None
+    remedy: str | None = None
 
 
 @kind("ledger_failed")
