@@ -29,6 +29,7 @@ __all__ = [
     "LauncherLingered",
     "HangDetectionPaused",
     "HangDetectionResumed",
+    "RankReplaced",
 ]
 
 
@@ -178,3 +179,19 @@ class HangDetectionPaused(Record):
 class HangDetectionResumed(Record):
     error: Any = None
     seconds: float | None = None
+
+
+@kind("rank_replaced", "supervisor")
+@dataclass(frozen=True, kw_only=True)
+class RankReplaced(Record):
+    """The node agent started a dead rank again alone (in place, issue 33)."""
+
+    rank: int
+    cause: str  # "exit", "signal" or "hang"
+    generation: int  # the generation the replacement joined
+    returncode: int | None = None  # the dead process's (negative: the signal)
+    pid_old: int | None = None
+    pid_new: int | None = None
+    decided: float | None = None  # when the agent decided (time.time())
+    joined: float | None = None  # when every rank had joined the new generation
+    seconds: float | None = None  # decided -> joined

@@ -1,0 +1,132 @@
+"""The node agent's side of an in-place recovery (docs/dev/issue-33-design.md 3.2-3.3): a
+rank that died is started again alone in the next generation, on a fresh group store, and
+the agent waits until every rank of that generation has joined; when it cannot (policy off,
+several nodes, a deliberate exit, more ranks dead than alive, a second death while healing,
+the join timing out) it writes the fallback word and the caller stops every rank, so the
+supervisor restarts the attempt as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from torch.distributed import TCPStore
+
+from orchestrator import inplace_protocol as IP
+from orchestrator.agent_ranks import Rank, Ranks
+from orchestrator.journal import Journal
+from orchestrator.protocol import (
+    ENV_ATTEMPT,
+    ENV_RUN_DIR,
+    EXIT_GAVE_UP,
+    EXIT_PREEMPTED,
+    EXIT_UNHEALTHY,
+)
+
+logger = logging.getLogger("orchestrator.agent")
+DELIBERATE = {EXIT_GAVE_UP, EXIT_UNHEALTHY, EXIT_PREEMPTED}  # the Guard chose to end: no heal
+EVENT_RANK_REPLACED = "rank_replaced"
+
+
+def _journal() -> Journal | None:
+    run_dir = os.environ.get(ENV_RUN_DIR)
+    if not run_dir:  # run without the supervisor: nothing to journal into
+        return None
+    return Journal(run_dir, rank=-1, attempt=int(os.environ.get(ENV_ATTEMPT, "0")))
+
+
+class Healer:
+    """Replaces dead ranks in place, or says it cannot."""
+
+    def __init__(
+        self, ranks: Ranks, control: TCPStore, addr: str, enabled: bool, timeout_s: float
+    ) -> None:
+        self.ranks, self.control, self.addr = ranks, control, addr
+        self.enabled, self.timeout_s = enabled, timeout_s
+        self.gen = 0
+        self.stores: list[TCPStore] = []  # the current generation's group store (kept alive)
+        self.journal = _journal() if enabled else None
+
+    def close(self) -> None:
+        if self.journal is not None:
+            self.journal.close()
+
+    def heal(self, dead: list[Rank], stopping: Callable[[], bool]) -> bool:
+        """Replace ``dead`` (ranks of generation ``self.gen``); False: fall back."""
+        world = self.ranks.layout.world_size
+        codes = [r.proc.returncode for r in dead]
+        cause: IP.Cause = "signal" if any(c < 0 for c in codes) else "exit"
+        why = self._refuse(dead, codes, world)
+        if why is None and stopping():
+            why = "the agent is stopping (a signal came)"
+        if why is not None:
+            self._fallback(self.gen, dead, cause, why)
+            return False
+        decided = time.time()
+        group = TCPStore(self.addr, 0, is_master=True, wait_for_workers=False)
+        g = self.gen + 1
+        word = IP.NextGeneration(g, group.port, tuple(r.rank for r in dead), cause, None, decided)
+        self.control.set(IP.next_key(self.gen), word.encode().decode())  # JSON: ASCII
+        new = [self.ranks.replace(r.local, (self.addr, group.port), g) for r in dead]
+        logger.warning(
+            "agent: rank(s) %s died (%s); replaced alone in generation %d",
+            [r.rank for r in dead], codes, g,
+        )  # fmt: skip
+        why = self._wait_joined(g, world, stopping)
+        if why is not None:
+            self._fallback(g, dead, cause, why)
+            return False
+        self.stores, self.gen = [group], g  # the previous generation's store can go
+        joined = time.time()
+        for old, rep, code in zip(dead, new, codes, strict=True):
+            self._write(g, EVENT_RANK_REPLACED, {
+                "rank": old.rank, "cause": cause, "generation": g, "returncode": code,
+                "pid_old": old.proc.pid, "pid_new": rep.proc.pid,
+                "decided": decided, "joined": joined, "seconds": round(joined - decided, 3),
+            })  # fmt: skip
+        return True
+
+    def _refuse(self, dead: list[Rank], codes: list[int], world: int) -> str | None:
+        """Why in place cannot be tried for ``dead``, or None."""
+        if not self.enabled:
+            return "in place is off (supervisor.in_place, or several nodes)"
+        deliberate = [c for c in codes if c in DELIBERATE]
+        if deliberate:
+            return f"a rank ended on purpose (exit {deliberate[0]})"
+        if 2 * len(dead) > world:
+            return f"{len(dead)} of {world} ranks died: more than survive"
+        return None
+
+    def _wait_joined(self, g: int, world: int, stopping: Callable[[], bool]) -> str | None:
+        """Wait until ``world`` ranks joined generation ``g``; why not, or None."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            if int(self.control.add(IP.joined_key(g), 0)) >= world:
+                return None
+            died = [r.rank for r in self.ranks.ranks if r.poll() not in (None, 0)]
+            if died:
+                return f"rank(s) {died} died while generation {g} was healing"
+            if stopping():
+                return "the agent is stopping (a signal came)"
+            if time.monotonic() >= deadline:
+                return (
+                    f"generation {g} did not form within supervisor.in_place_timeout_s="
+                    f"{self.timeout_s:g} s (a survivor without the in-place side, or stuck)"
+                )
+            time.sleep(0.02)
+
+    def _fallback(self, gen: int, dead: list[Rank], cause: IP.Cause, why: str) -> None:
+        """Say so to the ranks (they leave) and the journal; the caller stops them all."""
+        logger.warning("agent: no in-place recovery (%s): every rank is stopped", why)
+        word = IP.NextGeneration(0, 0, tuple(r.rank for r in dead), cause, why, time.time())
+        try:
+            self.control.set(IP.next_key(gen), word.encode().decode())
+        except Exception:  # the store's host is this process: only if it is ending
+            logger.exception("agent: could not write the fallback word")
+
+    def _write(self, g: int, kind: str, details: dict[str, object]) -> None:
+        if self.journal is not None:
+            self.journal.write(kind, -1, details)

@@ -1,0 +1,146 @@
+"""`orchestrator launch --nproc-per-node N`: the node agent (orchestrator/agent.py) as the
+launcher of each attempt. Real processes, gloo, 2 ranks; assertions on state (whole
+tensors, every rank) and journal events."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import EXAMPLE, REPO, assert_bitwise_equal, final_states, kinds, run
+from orchestrator.errors import EXIT_PREEMPTED
+from orchestrator.heartbeat import read_heartbeats
+
+pytestmark = pytest.mark.timeout(240)
+
+FAST = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
+BASE = {"adjust": {"lr_factor": 1.0}, "persist": {"every_steps": 10}, "supervisor": FAST}
+WORKER = Path(__file__).parent / "inplace_worker.py"
+
+
+def launch(run_dir: Path, policy: dict[str, Any], *script: str) -> list[str]:
+    path = run_dir.parent / f"{run_dir.name}-policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    return [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
+            "--run-dir", str(run_dir), "--nproc-per-node", "2", *script]  # fmt: skip
+
+
+def test_the_agent_trains_as_torchrun_does_bit_for_bit(tmp_path: Path, clean_run: Any) -> None:
+    d = tmp_path / "run"
+    r = run(launch(d, BASE, str(EXAMPLE), "--steps", "30", "--save-final", str(d / "final")))
+    assert r.returncode == 0, r.stdout[-3000:]
+    (start,) = kinds(d, "attempt_start")
+    assert start["details"]["cmd"][1:3] == ["-m", "orchestrator.agent"]
+    for a, b in zip(final_states(clean_run(30)), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_crash_without_the_rank_side_restarts_everything_bit_for_bit(
+    tmp_path: Path, clean_run: Any, in_place: bool
+) -> None:
+    """Today's script (no in-place rank side): off by policy, the agent stops every rank;
+    on, the survivor dies of its peer's death and the agent falls back: either way the
+    supervisor's full restart resumes from the snapshot, bit for bit."""
+    d = tmp_path / "run"
+    policy = {
+        **BASE,
+        "supervisor": {**FAST, "in_place": in_place, "in_place_timeout_s": 30},
+        "faults": [{"kind": "crash", "step": 25, "rank": 1}],
+    }
+    r = run(launch(d, policy, str(EXAMPLE), "--steps", "30", "--save-final", str(d / "final")))
+    assert r.returncode == 0, r.stdout[-3000:]
+    (restart,) = kinds(d, "restart")
+    assert restart["details"]["cause"] == "crash" and restart["attempt"] == 0
+    (resume,) = kinds(d, "resume")
+    assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] == 20
+    assert kinds(d, "rank_replaced") == []
+    for a, b in zip(final_states(clean_run(30)), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+
+
+def test_sigterm_preempts_through_the_agent_and_resumes(tmp_path: Path) -> None:
+    d = tmp_path / "run"
+    policy = {**BASE, "persist": {"every_steps": 1000}}  # only the preemption persists
+    cmd = launch(d, policy, str(EXAMPLE), "--steps", "60")
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # bounded poll: training must reach step 10
+            if any(b["step"] >= 10 for b in read_heartbeats(str(d))):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("training never reached step 10")
+        proc.send_signal(signal.SIGTERM)  # to the supervisor only, as a scheduler would
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    (pre,) = kinds(d, "preempted")
+    assert pre["details"]["persisted"] is True
+    r = run(launch(d, policy, str(EXAMPLE), "--steps", "60"))
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert kinds(d, "resume")[0]["details"]["snapshot_step"] == pre["step"]
+    assert kinds(d, "run_end")[-1]["details"]["steps"] == 60
+
+
+def _states(out: Path) -> dict[int, dict[str, Any]]:
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+@pytest.fixture(scope="module")
+def clean_worker(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    d = tmp_path_factory.mktemp("clean") / "run"
+    r = run(launch(d, BASE, str(WORKER), "--out", str(d / "out")), timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:]
+    return _states(d / "out")
+
+
+def test_a_dead_rank_is_replaced_alone(tmp_path: Path, clean_worker: Any) -> None:
+    """Rank 1 SIGKILLed at step 12: the agent starts it again alone in generation 1, rank 0
+    keeps its process, and both end bit for bit as without the fault."""
+    d = tmp_path / "run"
+    r = run(launch(d, BASE, str(WORKER), "--out", str(d / "out"), "--die-at", "12"), timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:]
+    got = _states(d / "out")
+    assert got[0]["pid_start"] == got[0]["pid_end"] and got[0]["gen"] == 1
+    assert got[1]["gen"] == 1
+    for rank in (0, 1):
+        assert got[rank]["hex"] == clean_worker[rank]["hex"], rank
+    (rep,) = kinds(d, "rank_replaced")
+    det = rep["details"]
+    assert (det["rank"], det["cause"], det["generation"], det["returncode"]) == (
+        1, "signal", 1, -signal.SIGKILL)  # fmt: skip
+    assert det["pid_new"] == got[1]["pid_start"] and det["pid_old"] != det["pid_new"]
+    assert kinds(d, "restart") == [] and len(kinds(d, "attempt_end")) == 1
+
+
+def test_a_second_death_while_healing_falls_back_to_a_full_restart(
+    tmp_path: Path, clean_worker: Any
+) -> None:
+    d = tmp_path / "run"
+    r = run(
+        launch(d, BASE, str(WORKER), "--out", str(d / "out"), "--die-at", "12", "--die-again"),
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert kinds(d, "rank_replaced") == []  # the replacement never joined
+    (restart,) = kinds(d, "restart")
+    assert restart["attempt"] == 0 and restart["details"]["cause"] == "crash"
+    got = _states(d / "out")
+    for rank in (0, 1):
+        assert got[rank]["hex"] == clean_worker[rank]["hex"], rank
