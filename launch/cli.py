@@ -136,7 +136,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 _RDZV_FLAGS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
-               "master_addr", "master_port")  # fmt: skip
+               "master_addr", "master_port", "local_addr")  # fmt: skip
 
 
 def _agent_cmd(args: argparse.Namespace, cmd: list[str]) -> list[str]:

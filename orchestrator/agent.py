@@ -35,6 +35,8 @@ logger = logging.getLogger("orchestrator.agent")
 POLL_S = 0.02
 CONTROL_KEY = "orchestrator/agent/control"  # node 0's control store, in the rendezvous store
 MASTER_KEY = "orchestrator/agent/master"  # generation 0's group store, likewise
+DONE_KEY = "orchestrator/agent/done"  # nodes whose ranks all succeeded (the exit barrier)
+EXIT_BARRIER_S = 300.0  # torchrun's exit barrier timeout
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -50,6 +52,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rdzv-conf", "--rdzv_conf", default="")
     p.add_argument("--master-addr", "--master_addr", default="127.0.0.1")
     p.add_argument("--master-port", "--master_port", type=int, default=29500)
+    p.add_argument("--local-addr", "--local_addr", default=None)
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0)
     p.add_argument("--module", "-m", action="store_true")
     p.add_argument("--no-python", "--no_python", action="store_true")
@@ -84,7 +87,7 @@ def rendezvous(a: argparse.Namespace) -> tuple[Store | None, int, int, str]:
         endpoint = endpoint or f"{a.master_addr}:{a.master_port}"
     params = RendezvousParameters(
         backend=a.rdzv_backend, endpoint=endpoint, run_id=a.rdzv_id, min_nodes=lo,
-        max_nodes=hi, **conf,
+        max_nodes=hi, local_addr=a.local_addr, **conf,
     )  # fmt: skip
     info = get_rendezvous_handler(params).next_rendezvous()
     boot = info.bootstrap_store_info
@@ -177,10 +180,27 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, agent.on_signal)
     ranks.start_all(master, 0)
     try:
-        return agent.run()
+        code = agent.run()
+        if code == 0 and nodes > 1:
+            exit_barrier(control, group_rank, nodes)
+        return code
     finally:
         healer.close()
         del hosted  # the stores' servers end with the agent, after its ranks
+
+
+def exit_barrier(control: TCPStore, group_rank: int, nodes: int) -> None:
+    """Node 0 hosts the stores every node's ranks use: like torchrun's exit barrier, its
+    agent waits for the others' ranks to finish (bounded) before it ends them."""
+    control.add(DONE_KEY, 1)
+    deadline = time.monotonic() + EXIT_BARRIER_S
+    while group_rank == 0 and int(control.add(DONE_KEY, 0)) < nodes:
+        if time.monotonic() >= deadline:
+            logger.warning(
+                "agent: exit barrier: not every node finished within %g s", EXIT_BARRIER_S
+            )
+            return
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,17 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import EXAMPLE, REPO, assert_bitwise_equal, final_states, kinds, run
+from conftest import (
+    EXAMPLE,
+    REPO,
+    assert_bitwise_equal,
+    final_states,
+    free_port,
+    kinds,
+    run,
+    spawn,
+    wait,
+)
 from orchestrator.errors import EXIT_PREEMPTED
 from orchestrator.heartbeat import read_heartbeats
 
@@ -144,3 +154,33 @@ def test_a_second_death_while_healing_falls_back_to_a_full_restart(
     got = _states(d / "out")
     for rank in (0, 1):
         assert got[rank]["hex"] == clean_worker[rank]["hex"], rank
+
+
+def test_two_nodes_through_c10d_restart_both_after_a_crash_bit_for_bit(
+    tmp_path: Path, clean_run: Any
+) -> None:
+    """Two simulated nodes (one rank each, torch's c10d rendezvous, as tests/test_nodes.py):
+    in place is a one-node path for now, so node 1's crash restarts both, bit for bit."""
+    d = tmp_path / "run"
+    policy = {**BASE, "faults": [{"kind": "crash", "step": 25, "rank": 1}]}
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    port, procs = free_port(), []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
+               "--run-dir", str(d), "--nproc-per-node", "1", "--nnodes", "2",
+               "--node-rank", str(node), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "agent2",
+               "--local-addr", f"127.0.0.{node + 1}", str(EXAMPLE), "--steps", "30",
+               "--save-final", str(d / "final")]  # fmt: skip
+        env = {"OMP_NUM_THREADS": "1", "ORCHESTRATOR_NODE": f"n{node}"}
+        procs.append(spawn(cmd, env))
+    for p in procs:
+        r = wait(p, 200)
+        assert r.returncode == 0, r.stdout[-3000:]
+    starts = sorted((e["details"]["node"], e["attempt"]) for e in kinds(d, "attempt_start"))
+    assert starts == [("n0", 0), ("n0", 1), ("n1", 0), ("n1", 1)]
+    assert {e["attempt"] for e in kinds(d, "resume")} == {1}
+    assert kinds(d, "rank_replaced") == []
+    for a, b in zip(final_states(clean_run(30)), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
