@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     env = common_env(a.nproc_per_node, in_place)
     env[IP.ENV_CONTROL_ADDR], env[IP.ENV_CONTROL_PORT] = control.host, str(control.port)
     ranks = Ranks(lay, rank_command(a.script, a.args, a.module, a.no_python), env)
-    healer = Healer(ranks, control, master[0], in_place, sup.in_place_timeout_s)
+    healer = Healer(ranks, control, master[0], in_place, sup)
     agent = Agent(ranks, healer)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, agent.on_signal)

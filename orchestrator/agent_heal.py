@@ -18,6 +18,7 @@ from torch.distributed import TCPStore
 from orchestrator import inplace_protocol as IP
 from orchestrator.agent_ranks import Rank, Ranks
 from orchestrator.journal import Journal
+from orchestrator.policy_sections import SupervisorPolicy
 from orchestrator.protocol import (
     ENV_ATTEMPT,
     ENV_RUN_DIR,
@@ -42,10 +43,11 @@ class Healer:
     """Replaces dead ranks in place, or says it cannot."""
 
     def __init__(
-        self, ranks: Ranks, control: TCPStore, addr: str, enabled: bool, timeout_s: float
+        self, ranks: Ranks, control: TCPStore, addr: str, enabled: bool, sup: SupervisorPolicy
     ) -> None:
         self.ranks, self.control, self.addr = ranks, control, addr
-        self.enabled, self.timeout_s = enabled, timeout_s
+        self.enabled, self.timeout_s = enabled, sup.in_place_timeout_s
+        self.max_heals = sup.in_place_max_per_attempt
         self.gen = 0
         self.stores: list[TCPStore] = []  # the current generation's group store (kept alive)
         self.journal = _journal() if enabled else None
@@ -98,6 +100,11 @@ class Healer:
             return f"a rank ended on purpose (exit {deliberate[0]})"
         if 2 * len(dead) > world:
             return f"{len(dead)} of {world} ranks died: more than survive"
+        if self.gen >= self.max_heals:
+            return (
+                f"{self.gen} in-place recoveries in this attempt already "
+                "(supervisor.in_place_max_per_attempt)"
+            )
         return None
 
     def _wait_joined(self, g: int, world: int, stopping: Callable[[], bool]) -> str | None:

@@ -142,6 +142,13 @@ class SupervisorPolicy(_Section):
         description="How long the agent waits for every rank to join the next generation "
         "after replacing a dead one before it falls back to the full restart.",
     )
+    in_place_max_per_attempt: int = Field(
+        2,
+        ge=1,
+        description="In-place recoveries one attempt may make; the next death restarts "
+        "every rank (so a rank that dies again and again meets the crash-loop and "
+        "max_restarts rules, and the crash's samples their quarantine).",
+    )
 
 
 class ExportPolicy(_Section):

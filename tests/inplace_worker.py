@@ -4,10 +4,11 @@ step all-reduces a vector into the state; a survivor that catches the collective
 waits for the agent's word, re-forms on the next generation's group store and sends its
 state to the replacement, which joins through its own env:// init, as a user's script does.
 
-    orchestrator launch --nproc-per-node 2 tests/inplace_worker.py --out DIR [--die-at K]
+    orchestrator launch --nproc-per-node 2 tests/inplace_worker.py --out DIR [--die-at K...]
         [--die-again]
 
-``--die-at K``: rank 1 SIGKILLs itself before step K's collective (attempt 0, generation 0).
+``--die-at K0 K1 ...``: in attempt 0, rank 1 of generation ``i`` SIGKILLs itself before
+step ``Ki``'s collective.
 ``--die-again``: the replacement SIGKILLs itself after its init, before it joined (a second
 death during healing: the agent falls back). Writes DIR/rank<r>.json: pid at start and end,
 generation, the final state.
@@ -61,7 +62,7 @@ def heal(ctl: dist.TCPStore, gen: int, state: torch.Tensor, step: torch.Tensor) 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--die-at", type=int, default=-1)
+    p.add_argument("--die-at", type=int, nargs="*", default=[])
     p.add_argument("--die-again", action="store_true")
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -80,7 +81,7 @@ def main() -> None:
         heal(ctl, gen, state, step)
     while int(step) < STEPS:
         k = int(step)
-        if k == a.die_at and rank == 1 and gen == 0 and first:
+        if rank == 1 and first and gen < len(a.die_at) and k == a.die_at[gen]:
             os.kill(os.getpid(), signal.SIGKILL)
         x = torch.arange(8, dtype=torch.float64) * (rank + 1) + k
         try:

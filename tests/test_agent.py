@@ -184,3 +184,21 @@ def test_two_nodes_through_c10d_restart_both_after_a_crash_bit_for_bit(
     assert kinds(d, "rank_replaced") == []
     for a, b in zip(final_states(clean_run(30)), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
+
+
+def test_deaths_beyond_in_place_max_per_attempt_restart_everything(
+    tmp_path: Path, clean_worker: Any
+) -> None:
+    """A rank that dies again after its replacement (a crash that follows the data) meets
+    the supervisor's rules: past supervisor.in_place_max_per_attempt, a full restart."""
+    d = tmp_path / "run"
+    policy = {**BASE, "supervisor": {**FAST, "in_place_max_per_attempt": 1}}
+    r = run(launch(d, policy, str(WORKER), "--out", str(d / "out"), "--die-at", "8", "16"))
+    assert r.returncode == 0, r.stdout[-3000:]
+    (rep,) = kinds(d, "rank_replaced")
+    assert rep["details"]["generation"] == 1 and rep["attempt"] == 0
+    (restart,) = kinds(d, "restart")
+    assert restart["attempt"] == 0 and restart["details"]["cause"] == "crash"
+    got = _states(d / "out")
+    for rank in (0, 1):
+        assert got[rank]["hex"] == clean_worker[rank]["hex"], rank
