@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable
 
@@ -17,7 +18,8 @@ from torch.distributed import TCPStore
 
 from orchestrator import inplace_protocol as IP
 from orchestrator.agent_ranks import Rank, Ranks
-from orchestrator.journal import Journal
+from orchestrator.events.supervisor import Hang
+from orchestrator.journal import Journal, read_events
 from orchestrator.policy_sections import SupervisorPolicy
 from orchestrator.protocol import (
     ENV_ATTEMPT,
@@ -51,6 +53,7 @@ class Healer:
         self.gen = 0
         self.stores: list[TCPStore] = []  # the current generation's group store (kept alive)
         self.journal = _journal() if enabled else None
+        self.run_dir = os.environ.get(ENV_RUN_DIR, "")
 
     def close(self) -> None:
         if self.journal is not None:
@@ -61,6 +64,8 @@ class Healer:
         world = self.ranks.layout.world_size
         codes = [r.proc.returncode for r in dead]
         cause: IP.Cause = "signal" if any(c < 0 for c in codes) else "exit"
+        if all(c == -signal.SIGKILL for c in codes) and self._hung(dead):
+            cause = "hang"  # the supervisor's hang watch killed them (launch/runner.py)
         why = self._refuse(dead, codes, world)
         if why is None and stopping():
             why = "the agent is stopping (a signal came)"
@@ -133,6 +138,18 @@ class Healer:
             self.control.set(IP.next_key(gen), word.encode().decode())
         except Exception:  # the store's host is this process: only if it is ending
             logger.exception("agent: could not write the fallback word")
+
+    def _hung(self, dead: list[Rank]) -> bool:
+        """Whether the supervisor's ``hang`` event of this attempt named every rank of
+        ``dead`` as a culprit after they started (it kills a hang's culprits alone)."""
+        if self.journal is None:
+            return False
+        since = min(r.started for r in dead)
+        named: set[int] = set()
+        for e in read_events(self.run_dir).of(Hang):
+            if e.attempt == self.journal.attempt and e.time >= since:
+                named |= {int(c["rank"]) for c in e.record.culprits or []}
+        return {r.rank for r in dead} <= named
 
     def _write(self, g: int, kind: str, details: dict[str, object]) -> None:
         if self.journal is not None:

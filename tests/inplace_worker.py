@@ -9,6 +9,8 @@ state to the replacement, which joins through its own env:// init, as a user's s
 
 ``--die-at K0 K1 ...``: in attempt 0, rank 1 of generation ``i`` SIGKILLs itself before
 step ``Ki``'s collective.
+``--hang-at K``: in attempt 0, rank 1 of generation 0 stops making progress at step K
+(heartbeats as the Guard writes them, so the supervisor's hang watch names it).
 ``--die-again``: the replacement SIGKILLs itself after its init, before it joined (a second
 death during healing: the agent falls back). Writes DIR/rank<r>.json: pid at start and end,
 generation, the final state.
@@ -21,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator import inplace_protocol as IP
+from orchestrator.heartbeat import Heartbeat
 
 STEPS = 30
 
@@ -63,6 +67,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--die-at", type=int, nargs="*", default=[])
+    p.add_argument("--hang-at", type=int, default=-1)
     p.add_argument("--die-again", action="store_true")
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -79,10 +84,16 @@ def main() -> None:
         if a.die_again and first:
             os.kill(os.getpid(), signal.SIGKILL)
         heal(ctl, gen, state, step)
+    beat = Heartbeat(os.environ["ORCHESTRATOR_RUN_DIR"], rank, int(os.environ.get(
+        "ORCHESTRATOR_ATTEMPT", "0")), 0.2)  # fmt: skip
     while int(step) < STEPS:
         k = int(step)
+        beat.beat(k)
         if rank == 1 and first and gen < len(a.die_at) and k == a.die_at[gen]:
             os.kill(os.getpid(), signal.SIGKILL)
+        if rank == 1 and first and gen == 0 and k == a.hang_at:
+            time.sleep(600)  # hung: the supervisor kills it
+        beat.enter("check")
         x = torch.arange(8, dtype=torch.float64) * (rank + 1) + k
         try:
             dist.all_reduce(x)
@@ -92,8 +103,11 @@ def main() -> None:
             continue  # the step is redone by every rank of the new generation
         state.mul_(0.5).add_(x.sin())
         step += 1
+    beat.beat(int(step), "done", force=True)
+    beat.close()
     (out / f"rank{rank}.json").write_text(
         json.dumps({"pid_start": start_pid, "pid_end": os.getpid(), "gen": gen,
+                    "inplace": os.environ.get(IP.ENV_INPLACE),
                     "state": state.tolist(), "hex": state.numpy().tobytes().hex()})
     )  # fmt: skip
     dist.destroy_process_group()

@@ -54,17 +54,16 @@ def test_the_agent_trains_as_torchrun_does_bit_for_bit(tmp_path: Path, clean_run
         assert_bitwise_equal(a, b, "final")
 
 
-@pytest.mark.parametrize("in_place", [False, True])
 def test_a_crash_without_the_rank_side_restarts_everything_bit_for_bit(
-    tmp_path: Path, clean_run: Any, in_place: bool
+    tmp_path: Path, clean_run: Any
 ) -> None:
-    """Today's script (no in-place rank side): off by policy, the agent stops every rank;
-    on, the survivor dies of its peer's death and the agent falls back: either way the
-    supervisor's full restart resumes from the snapshot, bit for bit."""
+    """Today's script (no in-place rank side): the survivor dies of its peer's death, the
+    agent falls back, and the supervisor's full restart resumes from the snapshot, bit for
+    bit."""
     d = tmp_path / "run"
     policy = {
         **BASE,
-        "supervisor": {**FAST, "in_place": in_place, "in_place_timeout_s": 30},
+        "supervisor": {**FAST, "in_place_timeout_s": 30},
         "faults": [{"kind": "crash", "step": 25, "rank": 1}],
     }
     r = run(launch(d, policy, str(EXAMPLE), "--steps", "30", "--save-final", str(d / "final")))
@@ -200,5 +199,40 @@ def test_deaths_beyond_in_place_max_per_attempt_restart_everything(
     (restart,) = kinds(d, "restart")
     assert restart["attempt"] == 0 and restart["details"]["cause"] == "crash"
     got = _states(d / "out")
+    for rank in (0, 1):
+        assert got[rank]["hex"] == clean_worker[rank]["hex"], rank
+
+
+def test_a_hung_rank_is_killed_and_replaced_alone(tmp_path: Path, clean_worker: Any) -> None:
+    """Rank 1 stops making progress at step 12: the supervisor's hang watch names it, kills
+    it alone, and the agent replaces it (cause: hang); rank 0 keeps its process."""
+    d = tmp_path / "run"
+    policy = {**BASE, "supervisor": {**FAST, "hang_timeout_s": 6.0}}
+    r = run(launch(d, policy, str(WORKER), "--out", str(d / "out"), "--hang-at", "12"))
+    assert r.returncode == 0, r.stdout[-3000:]
+    (hang,) = kinds(d, "hang")
+    assert [c["rank"] for c in hang["details"]["culprits"]] == [1]
+    (rep,) = kinds(d, "rank_replaced")
+    assert (rep["details"]["rank"], rep["details"]["cause"]) == (1, "hang")
+    assert rep["time"] >= hang["time"]
+    got = _states(d / "out")
+    assert got[0]["pid_start"] == got[0]["pid_end"]
+    for rank in (0, 1):
+        assert got[rank]["hex"] == clean_worker[rank]["hex"], rank
+    assert kinds(d, "restart") == [] and len(kinds(d, "attempt_end")) == 1
+
+
+def test_in_place_off_by_policy_restarts_every_rank(tmp_path: Path, clean_worker: Any) -> None:
+    """supervisor.in_place: false: the agent stops every rank at the first death, as
+    torchrun, and the ranks see no in-place variables."""
+    d = tmp_path / "run"
+    policy = {**BASE, "supervisor": {**FAST, "in_place": False}}
+    r = run(launch(d, policy, str(WORKER), "--out", str(d / "out"), "--die-at", "12"))
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert kinds(d, "rank_replaced") == []
+    (restart,) = kinds(d, "restart")
+    assert restart["attempt"] == 0 and restart["details"]["cause"] == "crash"
+    got = _states(d / "out")
+    assert got[0]["inplace"] is None
     for rank in (0, 1):
         assert got[rank]["hex"] == clean_worker[rank]["hex"], rank
