@@ -147,6 +147,11 @@ class Agent:
                 self.ranks.send(self.signal)
                 self.ranks.wait_all(None)
                 return 1
+            fell_back = self.healer.sync()  # another node's agent gave up in place
+            if fell_back is not None:
+                logger.warning("agent: no in-place recovery (%s): stopping the ranks", fell_back)
+                self.ranks.stop()
+                return 1
             codes = [r.poll() for r in self.ranks.ranks]
             if all(c == 0 for c in codes):
                 return 0
@@ -163,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     sup = load_policy().supervisor
     store, group_rank, nodes, addr = rendezvous(a)
     lay = layout(a, store, group_rank, nodes)
-    # In place needs the stores' host to survive: one node only for now (several nodes
-    # fall back to the full restart).
-    in_place = sup.in_place and nodes == 1
+    in_place = sup.in_place
     if store is None:
         addr = "127.0.0.1"
     elif group_rank == 0:

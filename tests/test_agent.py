@@ -155,34 +155,53 @@ def test_a_second_death_while_healing_falls_back_to_a_full_restart(
         assert got[rank]["hex"] == clean_worker[rank]["hex"], rank
 
 
-def test_two_nodes_through_c10d_restart_both_after_a_crash_bit_for_bit(
-    tmp_path: Path, clean_run: Any
-) -> None:
-    """Two simulated nodes (one rank each, torch's c10d rendezvous, as tests/test_nodes.py):
-    in place is a one-node path for now, so node 1's crash restarts both, bit for bit."""
-    d = tmp_path / "run"
-    policy = {**BASE, "faults": [{"kind": "crash", "step": 25, "rank": 1}]}
-    path = tmp_path / "policy.yaml"
+def two_nodes(run_dir: Path, policy: dict[str, Any], *script: str) -> None:
+    """Two simulated nodes (one rank each, torch's c10d rendezvous, addresses 127.0.0.1
+    and .2, as tests/test_nodes.py), each under its own supervisor, run to their end."""
+    path = run_dir.parent / f"{run_dir.name}-policy.yaml"
     path.write_text(yaml.safe_dump(policy))
     port, procs = free_port(), []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
-               "--run-dir", str(d), "--nproc-per-node", "1", "--nnodes", "2",
+               "--run-dir", str(run_dir), "--nproc-per-node", "1", "--nnodes", "2",
                "--node-rank", str(node), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "agent2",
-               "--local-addr", f"127.0.0.{node + 1}", str(EXAMPLE), "--steps", "30",
-               "--save-final", str(d / "final")]  # fmt: skip
-        env = {"OMP_NUM_THREADS": "1", "ORCHESTRATOR_NODE": f"n{node}"}
-        procs.append(spawn(cmd, env))
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_dir.name,
+               "--local-addr", f"127.0.0.{node + 1}", *script]  # fmt: skip
+        procs.append(spawn(cmd, {"OMP_NUM_THREADS": "1", "ORCHESTRATOR_NODE": f"n{node}"}))
     for p in procs:
         r = wait(p, 200)
         assert r.returncode == 0, r.stdout[-3000:]
+
+
+def test_two_nodes_through_c10d_restart_both_after_a_crash_bit_for_bit(
+    tmp_path: Path, clean_run: Any
+) -> None:
+    """A script without the ranks' side on two nodes: node 1's crash restarts both."""
+    d = tmp_path / "run"
+    policy = {**BASE, "faults": [{"kind": "crash", "step": 25, "rank": 1}]}
+    two_nodes(d, policy, str(EXAMPLE), "--steps", "30", "--save-final", str(d / "final"))
     starts = sorted((e["details"]["node"], e["attempt"]) for e in kinds(d, "attempt_start"))
     assert starts == [("n0", 0), ("n0", 1), ("n1", 0), ("n1", 1)]
     assert {e["attempt"] for e in kinds(d, "resume")} == {1}
     assert kinds(d, "rank_replaced") == []
     for a, b in zip(final_states(clean_run(30)), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
+
+
+def test_two_nodes_node_1s_dead_rank_is_replaced_and_node_0s_rank_stays(
+    tmp_path: Path, clean_worker: Any
+) -> None:
+    """Node 1's agent asks node 0's (which hosts the stores) for the next generation and
+    replaces its rank alone; node 0's rank keeps its process; bit for bit."""
+    d = tmp_path / "run"
+    two_nodes(d, BASE, str(WORKER), "--out", str(d / "out"), "--die-at", "12")
+    got = _states(d / "out")
+    assert got[0]["pid_start"] == got[0]["pid_end"] and got[0]["gen"] == 1
+    for rank in (0, 1):
+        assert got[rank]["hex"] == clean_worker[rank]["hex"], rank
+    (rep,) = kinds(d, "rank_replaced")
+    assert (rep["details"]["rank"], rep["details"]["generation"]) == (1, 1)
+    assert kinds(d, "restart") == []
 
 
 def test_deaths_beyond_in_place_max_per_attempt_restart_everything(
