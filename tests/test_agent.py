@@ -226,7 +226,9 @@ def test_a_hung_rank_is_killed_and_replaced_alone(tmp_path: Path, clean_worker: 
     """Rank 1 stops making progress at step 12: the supervisor's hang watch names it, kills
     it alone, and the agent replaces it (cause: hang); rank 0 keeps its process."""
     d = tmp_path / "run"
-    policy = {**BASE, "supervisor": {**FAST, "hang_timeout_s": 6.0}}
+    # Above the replacement's start (interpreter, import torch, init) on a loaded host:
+    # the survivors wait in the re-form meanwhile, making no progress.
+    policy = {**BASE, "supervisor": {**FAST, "hang_timeout_s": 10.0}}
     r = run(launch(d, policy, str(WORKER), "--out", str(d / "out"), "--hang-at", "12"))
     assert r.returncode == 0, r.stdout[-3000:]
     (hang,) = kinds(d, "hang")
