@@ -12,10 +12,31 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from orchestrator import inplace_protocol as IP
 
 STOP_TIMEOUT_S = 30.0  # torchrun's PContext.close(timeout=30): SIGTERM, then SIGKILL
+_PR_SET_PDEATHSIG = 1
+
+
+def _prctl() -> Any:
+    if sys.platform != "linux":
+        return None
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+# Resolved in the parent: between fork and exec (preexec_fn) nothing may load or lock.
+_PRCTL = _prctl()
+
+
+def _die_with_agent() -> None:
+    """A rank outlives no agent (killed by SIGKILL too: the supervisor's escalation): the
+    stores its process group and the in-place protocol use live in the agent of node 0."""
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -92,7 +113,9 @@ class Ranks:
         # torchrun's workers run in their own sessions: a signal to the agent's group
         # reaches the agent, which forwards it (the supervisor's launcher holds every
         # descendant by pidfd anyway).
-        proc = subprocess.Popen(self.cmd, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_agent
+        )
         return Rank(local, self.layout.base_rank + local, proc, gen)
 
     def send(self, sig: int) -> None:
