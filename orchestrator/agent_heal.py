@@ -33,6 +33,8 @@ from orchestrator.protocol import (
 logger = logging.getLogger("orchestrator.agent")
 DELIBERATE = {EXIT_GAVE_UP, EXIT_UNHEALTHY, EXIT_PREEMPTED}  # the Guard chose to end: no heal
 EVENT_RANK_REPLACED = "rank_replaced"
+EVENT_INPLACE_FAILED = "inplace_failed"
+STOPPING = "the agent is stopping (a signal came)"
 REQUEST = "orchestrator/agent/request/{}"  # another node's agent asks node 0's for a store
 
 
@@ -94,7 +96,7 @@ class Healer:
             return False  # another node's agent fell back already
         why = self._refuse(dead, codes, world)
         if why is None and stopping():
-            why = "the agent is stopping (a signal came)"
+            why = STOPPING
         if why is None and self.gen > 0 and self._joined(self.gen) < world:
             why = f"rank(s) died while generation {self.gen} was healing"
         if why is not None:
@@ -189,7 +191,7 @@ class Healer:
             if died:
                 return f"rank(s) {died} died while generation {g} was healing"
             if stopping():
-                return "the agent is stopping (a signal came)"
+                return STOPPING
             if time.monotonic() >= deadline:
                 return (
                     f"generation {g} did not form within supervisor.in_place_timeout_s="
@@ -201,6 +203,9 @@ class Healer:
         """Say so to the ranks (they leave) and the other agents; the caller stops them.
         Written on the newest generation's key: a word already there is not overwritten."""
         logger.warning("agent: no in-place recovery (%s): every rank is stopped", why)
+        if why != STOPPING:  # a preemption is no failure of in place
+            details = {"reason": why, "ranks": [r.rank for r in dead], "cause": cause}
+            self._write(gen, EVENT_INPLACE_FAILED, {**details, "generation": gen})
         word = IP.NextGeneration(0, 0, tuple(r.rank for r in dead), cause, why, time.time())
         try:
             while True:

@@ -73,6 +73,8 @@ def test_a_crash_without_the_rank_side_restarts_everything_bit_for_bit(
     (resume,) = kinds(d, "resume")
     assert resume["attempt"] == 1 and resume["details"]["snapshot_step"] == 20
     assert kinds(d, "rank_replaced") == []
+    (failed,) = kinds(d, "inplace_failed")  # the survivor died too: the fallback, journaled
+    assert failed["attempt"] == 0 and failed["details"]["ranks"] == [1]
     for a, b in zip(final_states(clean_run(30)), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
 
@@ -148,6 +150,9 @@ def test_a_second_death_while_healing_falls_back_to_a_full_restart(
     )
     assert r.returncode == 0, r.stdout[-3000:]
     assert kinds(d, "rank_replaced") == []  # the replacement never joined
+    (failed,) = kinds(d, "inplace_failed")
+    assert failed["details"]["ranks"] == [1] and failed["details"]["generation"] == 1
+    assert "healing" in failed["details"]["reason"]
     (restart,) = kinds(d, "restart")
     assert restart["attempt"] == 0 and restart["details"]["cause"] == "crash"
     got = _states(d / "out")
@@ -215,6 +220,8 @@ def test_deaths_beyond_in_place_max_per_attempt_restart_everything(
     assert r.returncode == 0, r.stdout[-3000:]
     (rep,) = kinds(d, "rank_replaced")
     assert rep["details"]["generation"] == 1 and rep["attempt"] == 0
+    (failed,) = kinds(d, "inplace_failed")
+    assert "in_place_max_per_attempt" in failed["details"]["reason"]
     (restart,) = kinds(d, "restart")
     assert restart["attempt"] == 0 and restart["details"]["cause"] == "crash"
     got = _states(d / "out")

@@ -30,6 +30,7 @@ __all__ = [
     "HangDetectionPaused",
     "HangDetectionResumed",
     "RankReplaced",
+    "InplaceFailed",
 ]
 
 
@@ -195,3 +196,15 @@ class RankReplaced(Record):
     decided: float | None = None  # when the agent decided (time.time())
     joined: float | None = None  # when every rank had joined the new generation
     seconds: float | None = None  # decided -> joined
+
+
+@kind("inplace_failed", "supervisor")
+@dataclass(frozen=True, kw_only=True)
+class InplaceFailed(Record):
+    """The node agent gave up replacing dead ranks in place: every rank is stopped and the
+    supervisor restarts the attempt (issue 33)."""
+
+    reason: str
+    ranks: list[int]  # the dead ranks it could not replace
+    cause: str | None = None  # "exit", "signal" or "hang"
+    generation: int | None = None  # the generation that broke or did not form
