@@ -95,15 +95,15 @@ def _launch(args: argparse.Namespace) -> int:
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    if args.nproc is not None:  # short form: orchestrator launch --nproc N script.py args
+    if args.nproc is not None:  # orchestrator launch --nproc-per-node N script.py args
         if not cmd:
             print(
-                "orchestrator launch --nproc N needs a script: ... --nproc 2 train.py",
+                "orchestrator launch --nproc-per-node N needs a script: ... "
+                "--nproc-per-node 2 train.py",
                 file=sys.stderr,
             )
             return EXIT_INVALID
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-               str(args.nproc), *cmd]  # fmt: skip
+        cmd = _agent_cmd(args, cmd)
     if not cmd:
         print(
             "orchestrator launch needs a command: orchestrator launch -- torchrun ...",
@@ -133,6 +133,23 @@ def _launch(args: argparse.Namespace) -> int:
         return Supervisor(policy, run_dir, cmd).run()
     finally:
         lock.release()
+
+
+_RDZV_FLAGS = ("nnodes", "node_rank", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
+               "master_addr", "master_port", "local_addr")  # fmt: skip
+
+
+def _agent_cmd(args: argparse.Namespace, cmd: list[str]) -> list[str]:
+    """The node agent's command (orchestrator/agent.py, torchrun's options): built here as
+    a command line, so the supervisor never imports torch."""
+    out = [sys.executable, "-m", "orchestrator.agent", "--nproc-per-node", str(args.nproc)]
+    if args.standalone:
+        out.append("--standalone")
+    for name in _RDZV_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    return [*out, *cmd]
 
 
 def _health(args: argparse.Namespace) -> int:
@@ -244,11 +261,21 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "launch",
         help="run a training command under the supervisor (restarts, hangs, preemption)",
         description="orchestrator launch [--policy P] [--run-dir D] -- torchrun|deepspeed|"
-        "python|srun ARGS...   or   orchestrator launch --nproc N script.py ARGS...",
+        "python|srun ARGS...   or   orchestrator launch --nproc-per-node N script.py ARGS...",
     )
     la.add_argument("--policy", help="policy YAML (default: $ORCHESTRATOR_POLICY or defaults)")
     la.add_argument("--run-dir", help="default: $ORCHESTRATOR_RUN_DIR or ./runs/<time>")
-    la.add_argument("--nproc", type=_positive(int), help="short form: build the torchrun command")
+    la.add_argument(
+        "--nproc-per-node",
+        "--nproc",
+        dest="nproc",
+        type=_positive(int),
+        help="ranks per node, started by the node agent (python -m orchestrator.agent: "
+        "torchrun's environment, a dead rank replaced alone); the options below as torchrun's",
+    )
+    la.add_argument("--standalone", action="store_true")
+    for name in _RDZV_FLAGS:
+        la.add_argument("--" + name.replace("_", "-"), help=argparse.SUPPRESS)
     la.add_argument(
         "--fresh",
         action="store_true",

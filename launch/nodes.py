@@ -65,6 +65,12 @@ def launcher_nodes(cmd: Sequence[str], env: Mapping[str, str]) -> int:
     return 1
 
 
+def is_agent(cmd: Sequence[str]) -> bool:
+    """Whether the launcher command is the node agent (``orchestrator launch
+    --nproc-per-node``: ``python -m orchestrator.agent``), which replaces a rank alone."""
+    return list(cmd[1:3]) == ["-m", "orchestrator.agent"]
+
+
 def supervisors(run_dir: str) -> list[dict[str, Any]]:
     """Every node's supervisor file (``orchestrator status`` shows them)."""
     d = os.path.join(run_dir, SUPERVISORS_DIR)

@@ -16,6 +16,7 @@ from typing import Any
 from launch.alerts import Alerter
 from launch.cluster import Cluster
 from launch.launcher import Launcher, StopRequests, log_path, open_log
+from launch.nodes import is_agent
 from launch.outcomes import CRASH, HANG, OK, Attempt, classify, last_journaled_step
 from launch.procs import descendants
 from launch.watch import HangWatch
@@ -58,6 +59,7 @@ class AttemptRunner:
         self.journal: Journal | None = None  # set once the supervisor opens it
         self.cannot_start: str | None = None  # why the command could not start at all
         self._done_since: float | None = None  # since when all its ranks said "done"
+        self.hung_alone: dict[int, int] | None = None  # a hang whose culprits were killed alone
 
     def run(self, attempt: int, env: dict[str, str]) -> Attempt:
         """Start ``attempt`` with ``env`` (:meth:`env`), watch it to its end: its outcome."""
@@ -73,6 +75,7 @@ class AttemptRunner:
             if self.stops.count:  # a signal came while we were starting it
                 launcher.kill(signal.SIGTERM)
                 launcher.term_sent_at = time.monotonic()
+            self.hung_alone = None
             stalled = self._watch(attempt, started)
             rc = launcher.finish()
             self.watch.settle()
@@ -81,9 +84,12 @@ class AttemptRunner:
             launcher.forget()
         journaled = last_journaled_step(self.run_dir, attempt)
         best = max((s for s in (self.watch.max_step, journaled) if s is not None), default=None)
+        outcome = classify(self.run_dir, rc, attempt)
+        if stalled is None and outcome == CRASH and self.hung_alone is not None:
+            stalled = self.hung_alone  # replaced alone, then the agent fell back: a hang
         if stalled is not None:
             return Attempt(attempt, rc, HANG, best, runtime, stalled, ended)
-        return Attempt(attempt, rc, classify(self.run_dir, rc, attempt), best, runtime, None, ended)
+        return Attempt(attempt, rc, outcome, best, runtime, None, ended)
 
     def env(self, attempt: int, policy_path: str, shm_dir: str) -> dict[str, str]:
         """What the workers of ``attempt`` read (orchestrator/protocol.py)."""
@@ -121,13 +127,41 @@ class AttemptRunner:
             stopping = launcher.term_sent_at is not None
             stalled = None if stopping else self.watch.stalled(beats, started)
             if stalled is not None:
-                self.watch.report(attempt, stalled, beats, launcher, self.alerter)
+                alone = self._alone(beats)
+                named = self.watch.report(
+                    attempt, stalled, beats, launcher, self.alerter,
+                    "killing the culprits alone: the node agent replaces them"
+                    if alone else "stopping",
+                )  # fmt: skip
+                if alone and self._kill_alone(named, beats):
+                    self.hung_alone = stalled
+                    continue
                 # A hung rank cannot take a graceful stop (nor can the ranks blocked in a
                 # collective with it): a short grace lets launchers and NCCL's flight
                 # recorder write what they can, not grace_s of a snapshot nobody writes.
                 launcher.terminate(min(self.sup.grace_s, HANG_GRACE_S))
                 return stalled
             self.stops.wake.wait(0.5)
+
+    def _alone(self, beats: list[dict[str, Any]]) -> bool:
+        """Whether a hang's culprits may be killed alone: the launcher is the node agent
+        with in place on (one node), which replaces them (orchestrator/agent.py)."""
+        return bool(beats) and self.sup.in_place and self.cluster.nnodes == 1 and is_agent(self.cmd)
+
+    def _kill_alone(self, named: list[dict[str, Any]], beats: list[dict[str, Any]]) -> bool:
+        """SIGKILL the culprits alone (their peers then leave the collective they wait in
+        by its error, and the agent replaces them) when they are a minority that others
+        wait for; False: the attempt is ended as before."""
+        ranks = {int(b["rank"]) for b in beats}
+        bad = {int(c["rank"]) for c in named}
+        if not bad or not bad < ranks or 2 * len(bad) > len(ranks):
+            return False  # everyone stuck alike (a fabric hang), or nobody to blame
+        pids = {int(b.get("pid", -1)) for b in beats if int(b["rank"]) in bad}
+        if len(self.launcher.seen.send(signal.SIGKILL, only=pids)) < len(pids):
+            return False  # a culprit not held (never seen, or gone): no guess at a pid
+        _say(f"hang: killed rank(s) {sorted(bad)} alone; the node agent replaces them")
+        self.watch.rearm()
+        return True
 
     def _ended_early(
         self, proc: subprocess.Popen[bytes], attempt: int, beats: list[dict[str, Any]]

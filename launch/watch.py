@@ -108,6 +108,10 @@ class HangWatch:
         }
         return late or None
 
+    def rearm(self) -> None:
+        """Count every rank's age afresh from now (hung ranks were replaced in place)."""
+        self._stalls.restart(time.monotonic())
+
     def settle(self) -> None:
         """At an attempt's end: a pause whose cause has gone (the supervisor's own file is
         written again, tried now) is journaled as over, so no pause outlives its cause
@@ -148,9 +152,10 @@ class HangWatch:
         beats: list[dict[str, Any]],
         launcher: Launcher,
         alerter: Alerter,
-    ) -> None:
+        action: str = "stopping",
+    ) -> list[dict[str, Any]]:
         """Describe the hang before it is ended: every rank's stack and the culprits into
-        the journal's ``hang`` event, an alert, a word on the console."""
+        the journal's ``hang`` event, an alert, a word on the console; the culprits."""
         assert self.journal is not None
         behind = suspects(beats)
         every_rank = [  # every node's, for the culprit: the one outside the collective
@@ -189,4 +194,5 @@ class HangWatch:
             else f"no rank wrote a heartbeat within {self.sup.start_timeout_s} s"
         )
         alerter.alert("hang", hang_event, self.journal, hang_event["step"])
-        _say(f"hang: {what}; stopping (log: {log})")
+        _say(f"hang: {what}; {action} (log: {log})")
+        return named

@@ -130,6 +130,25 @@ class SupervisorPolicy(_Section):
         "supervisor ends it (torchrun's exit barrier waits up to 300 s for a peer launcher "
         "that may never come, e.g. a replaced node's, in another rendezvous round).",
     )
+    in_place: bool = Field(
+        True,
+        description="Under `orchestrator launch --nproc-per-node N` (the node agent): a rank "
+        "that dies is started again alone and the others stay (issue 33); false, or several "
+        "nodes, or any failure of that path: every rank is stopped and restarted as before.",
+    )
+    in_place_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long the agent waits for every rank to join the next generation "
+        "after replacing a dead one before it falls back to the full restart.",
+    )
+    in_place_max_per_attempt: int = Field(
+        2,
+        ge=1,
+        description="In-place recoveries one attempt may make; the next death restarts "
+        "every rank (so a rank that dies again and again meets the crash-loop and "
+        "max_restarts rules, and the crash's samples their quarantine).",
+    )
 
 
 class ExportPolicy(_Section):

@@ -29,6 +29,8 @@ __all__ = [
     "LauncherLingered",
     "HangDetectionPaused",
     "HangDetectionResumed",
+    "RankReplaced",
+    "InplaceFailed",
 ]
 
 
@@ -178,3 +180,31 @@ class HangDetectionPaused(Record):
 class HangDetectionResumed(Record):
     error: Any = None
     seconds: float | None = None
+
+
+@kind("rank_replaced", "supervisor")
+@dataclass(frozen=True, kw_only=True)
+class RankReplaced(Record):
+    """The node agent started a dead rank again alone (in place, issue 33)."""
+
+    rank: int
+    cause: str  # "exit", "signal" or "hang"
+    generation: int  # the generation the replacement joined
+    returncode: int | None = None  # the dead process's (negative: the signal)
+    pid_old: int | None = None
+    pid_new: int | None = None
+    decided: float | None = None  # when the agent decided (time.time())
+    joined: float | None = None  # when every rank had joined the new generation
+    seconds: float | None = None  # decided -> joined
+
+
+@kind("inplace_failed", "supervisor")
+@dataclass(frozen=True, kw_only=True)
+class InplaceFailed(Record):
+    """The node agent gave up replacing dead ranks in place: every rank is stopped and the
+    supervisor restarts the attempt (issue 33)."""
+
+    reason: str
+    ranks: list[int]  # the dead ranks it could not replace
+    cause: str | None = None  # "exit", "signal" or "hang"
+    generation: int | None = None  # the generation that broke or did not form
