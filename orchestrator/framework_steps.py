@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from orchestrator.crashes import IN_BODY
+from orchestrator.rejoin import Rejoin
 from orchestrator.rng import set_torch_rng_state, torch_rng_state
 from orchestrator.stepping import StepInternals
 from orchestrator.tuning import Intervals
@@ -35,6 +36,7 @@ class FrameworkSteps(StepInternals):
     """Part of the Guard (see the module docstring)."""
 
     intervals: Intervals
+    rejoin: Rejoin
     _step_rng: tuple[torch.Tensor, Any] | None
     _queued: list[list[int]]  # the sample ids of each micro-batch begin_step returned
 
@@ -57,7 +59,11 @@ class FrameworkSteps(StepInternals):
         if not self._resumed:
             self._resumed = True
             self.keeper.check_budget()  # with the objects register_state added since
-            step = self.keeper.resume() if self.policy.persist.resume else None
+            step: int | None = None
+            if self.rejoin.replacement:  # issue 33: join the survivors instead
+                step = self.rejoin.join()
+            elif self.policy.persist.resume:
+                step = self.keeper.resume()
             self.global_step = self.global_step if step is None else step
             self.lifecycle.say_if_done(self.global_step, max_steps)
         if not self.ring.snapshots():

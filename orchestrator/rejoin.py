@@ -1,0 +1,355 @@
+"""In-place recovery inside the ranks (issue 33; design: docs/dev/issue-33-design.md 3.2,
+steps 3-8; the contract with the agent: :mod:`orchestrator.inplace_protocol`).
+
+Under the agent (``ORCHESTRATOR_INPLACE=1``) a dead or hung rank is replaced alone. A
+*survivor* sees the broken collective's error in Guard-owned code (``guard.backward``: DDP's
+reducer all-reduce; ``guard.step``: the check's all-reduce), waits for the agent's word on
+the control store, destroys its process group and joins the next generation's store with
+the key layout an env:// init builds, rebinds what held the old group (the Guard's
+:class:`Comm`, which every component shares; DDP: its constructor's collectives mirrored and
+a new reducer, as ``benchmarks/proto_inplace_ddp.py``), and meets the *replacement* in one
+agreement. The replacement runs the user's script from the top: its Guard starts with
+collectives answered locally (:attr:`Comm.solo`: the survivors run no start-up) and joins
+the agreement at its first ``guard.batches`` instead of resuming.
+
+The agreement (one ``all_gather_object``) picks the step ``S``: the newest one every
+survivor holds sealed in its ring and every replacement can load, its own shared-memory
+slot where one is kept, else its rank's part of the durable tier (which carries the rank's
+own RNG and data position, so the replay is bit for bit). Survivors roll back to their ring
+slot ``S``, as an incident's rollback does; the replacement loads ``S`` as a resume does;
+then the replicas' digests are compared in one collective before the first step. Anything
+that does not fit (another engine, no common step, a digest mismatch, no word from the
+agent) re-raises the collective's error: the agent's fallback, a full restart, follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from orchestrator import replicas
+from orchestrator.comm import Comm, keep_for_exit
+from orchestrator.crashes import collective_failure
+from orchestrator.engines.torch_native import TorchEngine
+from orchestrator.inplace_protocol import (
+    ENV_CONTROL_ADDR,
+    ENV_CONTROL_PORT,
+    ENV_GENERATION,
+    ENV_INPLACE,
+    NEXT_WAIT_S,
+    PG_PREFIX,
+    NextGeneration,
+    joined_key,
+    next_key,
+)
+
+if TYPE_CHECKING:
+    from orchestrator.guard import Guard
+
+logger = logging.getLogger(__name__)
+
+
+class RejoinFailed(RuntimeError):
+    """The in-place path cannot go on here (why): the collective's error is raised instead."""
+
+
+def inplace_on() -> bool:
+    return os.environ.get(ENV_INPLACE) == "1"
+
+
+def started_generation() -> int:
+    """The generation this process was started in (0: the attempt's start)."""
+    return int(os.environ.get(ENV_GENERATION, "0") or 0)
+
+
+def replacement_start(comm: Comm) -> Comm:
+    """``comm``, solo when this process replaces a dead rank: the survivors run no start-up
+    collectives, so its Guard starts without any (until :meth:`Rejoin.join`)."""
+    comm.solo = inplace_on() and started_generation() > 0 and comm.world_size > 1
+    return comm
+
+
+def _control_store() -> dist.TCPStore:
+    return dist.TCPStore(
+        os.environ[ENV_CONTROL_ADDR],
+        int(os.environ[ENV_CONTROL_PORT]),
+        is_master=False,
+        timeout=timedelta(seconds=NEXT_WAIT_S),
+    )
+
+
+def _group_timeout() -> timedelta:
+    """The default group's timeout, kept for the next generation's group."""
+    try:
+        pg = dist.group.WORLD
+        assert pg is not None
+        backend = pg._get_backend(torch.device("cpu"))
+        return timedelta(seconds=backend.options._timeout.total_seconds())
+    except (AssertionError, AttributeError, RuntimeError):
+        return dist.distributed_c10d._get_default_timeout(dist.get_backend())
+
+
+class Rejoin:
+    """The Guard's side of in-place recovery (one per Guard)."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.guard = guard
+        self.on = inplace_on() and guard.comm.world_size > 1
+        self.gen = started_generation() if self.on else 0
+        #: A replacement whose agreement is still to come (at its first guard.batches).
+        self.replacement = self.on and self.gen > 0
+        self.times: dict[str, float] = {}
+        self._ddp_sig: tuple[Any, ...] | None = None
+
+    # ------------------------------------------------------------------ survivor -------
+    def survive(self, err: BaseException) -> bool:
+        """A collective failed in the Guard's code: re-form and roll back in place.
+        Returns True when the rank goes on (the step is abandoned); False: raise ``err``."""
+        if not self.on or not collective_failure(err):
+            return False
+        g = self.guard
+        t_detect = time.time()
+        why = self._unsupported()
+        if why is not None:
+            logger.warning("rank %d: no in-place recovery: %s", g.comm.global_rank, why)
+            return False
+        try:
+            store = _control_store()
+            store.wait([next_key(self.gen)], timedelta(seconds=NEXT_WAIT_S))
+            word = NextGeneration.decode(store.get(next_key(self.gen)))
+        except (RuntimeError, dist.DistError) as wait_err:
+            logger.warning("rank %d: no word from the agent (%r)", g.comm.global_rank, wait_err)
+            return False
+        if word.fallback is not None:
+            logger.warning("rank %d: the agent falls back: %s", g.comm.global_rank, word.fallback)
+            return False
+        self.times = {"detect": t_detect, "leave": time.time(), "fault": word.time}
+        live = g.global_step
+        self._reform(word)
+        self._mirror_ddp()
+        self.times["reform"] = time.time()
+        g.engine.abandon()
+        self._agree(word, live, cause=repr(err)[:300])
+        return True
+
+    def _unsupported(self) -> str | None:
+        """Why this rank cannot rebind its groups (None: it can)."""
+        g = self.guard
+        if g.comm.group is not dist.group.WORLD:
+            return "the Guard runs on a subgroup (process_group=...): only the world is rebuilt"
+        if type(g.engine) is not TorchEngine:  # FSDP2, ZeRO, frameworks: not rebound yet
+            return f"the {g.engine.name} engine cannot rebind its process groups"
+        if g.health is not None and g.health.group is not None:
+            return "the health checker holds a group of its own (health.on_incident)"
+        if g.shm is not None:
+            return "snapshot.shared_memory: a replacement's node part is not rebuilt yet"
+        if g.investigation.active or g.recovery.open is not None:
+            return "an incident was open"
+        return None
+
+    def _reform(self, word: NextGeneration) -> None:
+        """Leave the broken group and join generation ``word.gen``'s, with the same rank,
+        world size, backend and timeout; the Guard's Comm takes the new world group."""
+        g = self.guard
+        backend, timeout = dist.get_backend(), _group_timeout()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        dist.destroy_process_group()
+        client = dist.TCPStore(
+            os.environ[ENV_CONTROL_ADDR], word.port, is_master=False, timeout=timeout
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(PG_PREFIX, client),
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+        )
+        self.gen = word.gen
+        g.comm.group = dist.group.WORLD
+        keep_for_exit(g.comm.group)
+
+    def _mirror_ddp(self) -> None:
+        """What the replacement's ``DDP(model)`` runs in its constructor, on the new group,
+        and a reducer with the initial bucket layout (the replacement's has that one)."""
+        from torch.distributed.utils import (
+            _sync_module_states,
+            _verify_param_shape_across_processes,
+        )
+
+        model = getattr(self.guard.engine, "model", None)
+        if not isinstance(model, DistributedDataParallel):
+            return
+        group = dist.group.WORLD
+        assert group is not None
+        model.process_group = group
+        params, sparse = model._build_params_for_reducer()
+        _verify_param_shape_across_processes(group, params)
+        _sync_module_states(model.module, group, model.broadcast_bucket_size, 0, set(), True)
+        names = model._build_debug_param_to_name_mapping(params)
+        model._ddp_init_helper(params, sparse, names, False)
+        model._has_rebuilt_buckets = False
+
+    # ------------------------------------------------------------------ replacement ----
+    def join(self) -> int:
+        """The replacement's start, instead of a resume: meet the survivors' agreement and
+        load the agreed step. Returns the step to run next."""
+        g = self.guard
+        self.times = {"start": time.time()}
+        g.comm.solo = False
+        g._suspect = None  # the dead process's marker: not this batch's doing
+        self.replacement = False
+        self._agree(None, None, cause=None)
+        return g.global_step
+
+    # ------------------------------------------------------------------ both -----------
+    def _say(self, live: int | None) -> dict[str, Any]:
+        """What this rank brings to the agreement."""
+        g = self.guard
+        said: dict[str, Any] = {"rank": g.comm.global_rank, "replacement": live is None}
+        if live is not None:
+            said["live"] = live
+            said["ring"] = sorted(s.step for s in g.ring.snapshots() if s.sealed)
+            said["token"] = getattr(g.durable, "_token", None)
+        else:
+            said["durable"] = self._durable_steps()
+        return said
+
+    def _durable_steps(self) -> dict[int, dict[str, Any]]:
+        """The committed durable snapshots this rank can read, by step (with manifests)."""
+        try:
+            found = g_candidates(self.guard)
+        except Exception as err:  # unreadable storage: no durable source, said in the event
+            logger.warning("rank %d: durable tier unreadable: %r", self.guard.comm.rank, err)
+            return {}
+        return found
+
+    def _agree(self, word: NextGeneration | None, live: int | None, cause: str | None) -> None:
+        """The one agreement of a re-formed group, the rollback or load, the verification."""
+        g = self.guard
+        said = g.comm.all_gather_object(self._say(live))
+        survivors = [s for s in said if not s["replacement"]]
+        rings = [set(s["ring"]) for s in survivors]
+        common = set.intersection(*rings) if rings else set()
+        for s in said:
+            if s["replacement"]:
+                common &= set(s["durable"])
+        if not common:
+            raise RejoinFailed(
+                f"rank {g.comm.global_rank}: no step that every survivor's ring holds and "
+                f"every replacement can load ({said}): in-place recovery falls back"
+            )
+        step = max(common)
+        token = next(s["token"] for s in survivors)
+        if live is None:
+            g.durable._token = token  # this run's writes, named as the survivors name them
+            source = self._load_durable(step, said[g.comm.rank]["durable"][step])
+        else:
+            source = self._roll_back(step)
+        self._verify(step)
+        self.times["heal"] = time.time()
+        self._finish(word, said, step, source, cause)
+
+    def _roll_back(self, step: int) -> str:
+        """A survivor back to its ring slot ``step``, as an incident's rollback."""
+        g = self.guard
+        snap = g.ring.at(step)
+        assert snap is not None
+        g.engine.restore(snap, 1.0)
+        meta = snap.materialize("guard", clone=False)
+        data = snap.materialize("data", clone=True) if "data" in snap.skeleton else None
+        g.cursor.rewind(step, meta, data)
+        g.adjuster.load_state_dict(meta["adjust"])
+        g.user_state.restore(snap)
+        g.ring.drop_after(step)
+        g.durable.invalidate_after(step)
+        g.metrics.drop_update()
+        g.metrics.restart_clock()
+        g._rolled_back(step)
+        return "ring"
+
+    def _load_durable(self, step: int, manifest: dict[str, Any]) -> str:
+        """The replacement's state at ``step`` from its rank's part of the durable tier
+        (files checked against the manifest's checksums), loaded as a resume loads it."""
+        g = self.guard
+        durable, keeper = g.durable, g.keeper
+        tree, error, _ = durable._load(durable.store, step, manifest, None, 0)
+        if tree is None:
+            raise RejoinFailed(f"rank {g.comm.global_rank}: durable snapshot {step}: {error}")
+        snap = keeper._resumed_snapshot(step, tree)
+        keeper._restore_resumed(snap, step, durable.store.url)
+        snap.digest = keeper.digest()
+        snap.agreed = True  # compared below, as the survivors' slot of this step was
+        g.cursor.rewind(step, tree["guard"], tree.get("data"))
+        g.adjuster.load_state_dict(tree["guard"]["adjust"])
+        g.user_state.restore(snap)
+        durable.invalidate_after(step)
+        g._rolled_back(step)
+        return "durable"
+
+    def _verify(self, step: int) -> None:
+        """The replicas' digests of the restored state, compared in one collective."""
+        g = self.guard
+        tensors, alike = g.engine.digest_tensors()
+        if not alike:
+            return
+        d = replicas.digest(tensors)
+        mine = None if d is None else int(d)
+        if any(d != mine for d in g.comm.all_gather_object(mine)):
+            raise RejoinFailed(
+                f"rank {g.comm.global_rank}: the replicas' state differs after healing at "
+                f"step {step}: in-place recovery falls back"
+            )
+
+    def _finish(
+        self,
+        word: NextGeneration | None,
+        said: list[dict[str, Any]],
+        step: int,
+        source: str,
+        cause: str | None,
+    ) -> None:
+        """Count this rank in, and journal the recovery once (rank 0 of the new group)."""
+        g = self.guard
+        sources = g.comm.all_gather_object((source, self.times, cause, word))
+        _control_store().add(joined_key(self.gen), 1)
+        word = word or next(w for _, _, _, w in sources if w is not None)
+        why = {
+            "ring": "a survivor: its ring slot of the agreed step",
+            "durable": "a replacement: its rank's durable snapshot of the agreed step",
+        }
+        times = [t for _, t, _, _ in sources]
+        detect = min((t["detect"] for t in times if "detect" in t), default=None)
+        g._decide(
+            "inplace_recovery",
+            step,
+            generation=self.gen,
+            replaced=list(word.replaced),
+            cause=word.cause,
+            error=next((c for _, _, c, _ in sources if c), None),
+            sources={str(s["rank"]): {"source": src, "why": why[src]}
+                     for s, (src, _, _, _) in zip(said, sources, strict=True)},
+            times={
+                "fault": word.time or None,
+                "detect": detect,
+                "leave": max((t["leave"] for t in times if "leave" in t), default=None),
+                "reform": max((t["reform"] for t in times if "reform" in t), default=None),
+                "heal": max(t["heal"] for t in times),
+            },
+        )  # fmt: skip
+        g._resumed = True
+
+
+def g_candidates(g: Guard) -> dict[int, dict[str, Any]]:
+    """The committed durable snapshots of ``g``'s store with their manifests, by step."""
+    return {
+        c.step: c.manifest
+        for c in g.durable.store.candidates()
+        if c.committed and c.manifest is not None
+    }

@@ -1,0 +1,141 @@
+"""Issue 33, the ranks' side of in-place recovery (orchestrator/rejoin.py), without the agent:
+this file's parent plays it (orchestrator/inplace_protocol.py's contract): it hosts the
+control store and one group store per generation, starts 2 ranks of the example GPT (DDP,
+gloo) with torchrun's environment, and when rank 1 dies (the policy's crash fault: SIGKILL
+at step 27, generation 0 only: the fault is journaled as fired) it writes the next
+generation's word and starts rank 1 alone again. Rank 0 keeps its process; the final state
+is bit for bit that of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+import yaml
+
+from conftest import EXAMPLE, REPO, assert_bitwise_equal, final_states, kinds, train
+from orchestrator.inplace_protocol import (
+    ENV_CONTROL_ADDR,
+    ENV_CONTROL_PORT,
+    ENV_GENERATION,
+    ENV_INPLACE,
+    NextGeneration,
+    joined_key,
+    next_key,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = ["--steps", "40"]
+POLICY: dict[str, Any] = {
+    "adjust": {"lr_factor": 1.0},
+    "quarantine": {"enabled": False},
+    "health": {"on_incident": False},
+    "snapshot": {"every_steps": 5, "keep": 3},
+    "persist": {"every_steps": 10},
+}
+CRASH = {"faults": [{"kind": "crash", "step": 27, "rank": 1}]}
+
+
+class Parent:
+    """The agent's part, as small as the protocol allows (one node, 2 ranks)."""
+
+    def __init__(self, run_dir: Path, policy: dict[str, Any]) -> None:
+        self.control = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.stores = [self._group_store()]
+        run_dir.mkdir(parents=True)
+        policy_file = run_dir.parent / f"{run_dir.name}-policy.yaml"
+        policy_file.write_text(yaml.safe_dump(policy))
+        self.env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONFAULTHANDLER": "1",  # a hang's stacks, on the SIGABRT below
+            "ORCHESTRATOR_RUN_DIR": str(run_dir),
+            "ORCHESTRATOR_POLICY": str(policy_file),
+            "MASTER_ADDR": "127.0.0.1",
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "GROUP_RANK": "0",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            ENV_INPLACE: "1",
+            ENV_CONTROL_ADDR: "127.0.0.1",
+            ENV_CONTROL_PORT: str(self.control.port),
+        }
+        self.cmd = [sys.executable, str(EXAMPLE), *STEPS, "--save-final", str(run_dir / "final")]
+        self.logs = run_dir.parent / f"{run_dir.name}-logs"
+        self.logs.mkdir()
+
+    @staticmethod
+    def _group_store() -> dist.TCPStore:
+        return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def start(self, rank: int, gen: int) -> subprocess.Popen[bytes]:
+        env = dict(self.env, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
+        env.update({"MASTER_PORT": str(self.stores[gen].port), ENV_GENERATION: str(gen)})
+        out = open(self.logs / f"rank{rank}-gen{gen}.log", "wb")
+        return subprocess.Popen(self.cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+    def run(self, timeout_s: float = 120.0) -> tuple[dict[int, int], int]:
+        """Run to the end, replacing rank 1 once. Returns exit codes and rank 0's pid."""
+        procs = {r: self.start(r, 0) for r in range(2)}
+        pid0, gen, deadline = procs[0].pid, 0, time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs.values()):
+            if time.monotonic() > deadline:
+                for p in procs.values():
+                    p.send_signal(signal.SIGABRT)
+                    p.wait()
+                raise AssertionError(f"timed out; logs: {self.tail()}")
+            dead = [r for r, p in procs.items() if p.poll() not in (None, 0)]
+            if dead and gen == 0 and dead == [1]:
+                gen = 1
+                self.stores.append(self._group_store())
+                word = NextGeneration(1, self.stores[1].port, (1,), "signal", time=time.time())
+                self.control.set(next_key(0), word.encode())
+                procs[1] = self.start(1, 1)
+            elif dead:
+                for p in procs.values():
+                    p.kill()
+                raise AssertionError(f"ranks {dead} died; logs: {self.tail()}")
+            time.sleep(0.02)
+        return {r: p.returncode for r, p in procs.items()}, pid0
+
+    def tail(self) -> str:
+        return "\n".join(
+            f"== {f.name}\n{f.read_text()[-2500:]}" for f in sorted(self.logs.iterdir())
+        )
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("clean") / "run"
+    r = train(d, 2, *STEPS, policy=POLICY)
+    assert r.returncode == 0, r.stdout[-3000:]
+    return d
+
+
+def test_sigkill_of_rank1_heals_in_place_bit_for_bit(tmp_path: Path, clean: Path) -> None:
+    d = tmp_path / "run"
+    parent = Parent(d, {**POLICY, **CRASH})
+    codes, pid0 = parent.run()
+    assert codes == {0: 0, 1: 0}, parent.tail()
+    # rank 0 never restarted: the process started first ran to the end, one run_start
+    assert pid0 > 0 and [e["rank"] for e in kinds(d, "run_start")].count(0) == 1
+    assert int(parent.control.add(joined_key(1), 0)) == 2
+    (rec,) = kinds(d, "inplace_recovery")
+    det = rec["details"]
+    assert det["generation"] == 1 and det["replaced"] == [1] and det["cause"] == "signal"
+    assert rec["step"] == 20
+    assert det["sources"]["0"]["source"] == "ring"
+    assert det["sources"]["1"]["source"] == "durable"
+    assert [e["rank"] for e in kinds(d, "fault")] == [1]
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
