@@ -49,15 +49,12 @@ from orchestrator.inplace_protocol import (
     joined_key,
     next_key,
 )
+from orchestrator.rejoin_pick import RejoinFailed, crc_of, pick
 
 if TYPE_CHECKING:
     from orchestrator.guard import Guard
 
 logger = logging.getLogger(__name__)
-
-
-class RejoinFailed(RuntimeError):
-    """The in-place path cannot go on here (why): the collective's error is raised instead."""
 
 
 def inplace_on() -> bool:
@@ -219,6 +216,8 @@ class Rejoin:
             said["token"] = getattr(g.durable, "_token", None)
         else:
             said["durable"] = self._durable_steps()
+            # A peer's copy fits where every rank holds the same state and data position.
+            said["peer"] = g.engine.state_replicated and g.cursor.position()[1] is None
         return said
 
     def _durable_steps(self) -> dict[int, dict[str, Any]]:
@@ -234,29 +233,22 @@ class Rejoin:
         """The one agreement of a re-formed group, the rollback or load, the verification."""
         g = self.guard
         said = g.comm.all_gather_object(self._say(live))
-        survivors = [s for s in said if not s["replacement"]]
-        rings = [set(s["ring"]) for s in survivors]
-        common = set.intersection(*rings) if rings else set()
-        for s in said:
-            if s["replacement"]:
-                common &= set(s["durable"])
-        if not common:
-            raise RejoinFailed(
-                f"rank {g.comm.global_rank}: no step that every survivor's ring holds and "
-                f"every replacement can load ({said}): in-place recovery falls back"
-            )
-        step = max(common)
-        token = next(s["token"] for s in survivors)
+        step, sources = pick(said)
+        mine = sources[g.comm.global_rank]
+        token = next(s["token"] for s in said if not s["replacement"])
         if live is None:
             g.durable._token = token  # this run's writes, named as the survivors name them
-            source = self._load_durable(step, said[g.comm.rank]["durable"][step])
-        else:
-            source = self._roll_back(step)
+        if mine == "durable":
+            self._load_durable(step, said[g.comm.rank]["durable"][step])
+        elif live is not None:
+            self._roll_back(step)
+        if "peer" in sources.values():
+            self._peer_heal(step, said, sources)
         self._verify(step)
         self.times["heal"] = time.time()
-        self._finish(word, said, step, source, cause)
+        self._finish(word, said, step, mine, cause)
 
-    def _roll_back(self, step: int) -> str:
+    def _roll_back(self, step: int) -> None:
         """A survivor back to its ring slot ``step``, as an incident's rollback."""
         g = self.guard
         snap = g.ring.at(step)
@@ -272,18 +264,45 @@ class Rejoin:
         g.metrics.drop_update()
         g.metrics.restart_clock()
         g._rolled_back(step)
-        return "ring"
 
-    def _load_durable(self, step: int, manifest: dict[str, Any]) -> str:
+    def _load_durable(self, step: int, manifest: dict[str, Any]) -> None:
         """The replacement's state at ``step`` from its rank's part of the durable tier
         (files checked against the manifest's checksums), loaded as a resume loads it."""
         g = self.guard
-        durable, keeper = g.durable, g.keeper
+        durable = g.durable
         tree, error, _ = durable._load(durable.store, step, manifest, None, 0)
         if tree is None:
             raise RejoinFailed(f"rank {g.comm.global_rank}: durable snapshot {step}: {error}")
+        self._load_tree(step, tree, durable.store.url)
+
+    def _peer_heal(self, step: int, said: list[dict[str, Any]], sources: dict[int, str]) -> None:
+        """The replicated state of ``step`` from the first survivor's ring slot, in one
+        broadcast with its CRC32 first checked by the receivers. The rank's own RNG and
+        data position are not on the peer: the survivor's RNG is taken (journaled)."""
+        g = self.guard
+        src = next(s["rank"] for s in said if not s["replacement"])
+        sent = None
+        if g.comm.global_rank == src:
+            snap = g.ring.at(step)
+            assert snap is not None
+            tree = {k: snap.materialize(k, clone=False) for k in snap.skeleton}
+            sent = (crc_of(tree), tree)
+        crc, tree = g.comm.broadcast_object(sent, src_rank=src)
+        if sources[g.comm.global_rank] != "peer":
+            return
+        if crc_of(tree) != crc:
+            raise RejoinFailed(
+                f"rank {g.comm.global_rank}: the state rank {src} sent for step {step} does "
+                "not match its checksum: in-place recovery falls back"
+            )
+        self._load_tree(step, tree, f"peer://rank{src}")
+
+    def _load_tree(self, step: int, tree: dict[str, Any], url: str) -> None:
+        """Load a whole state ``tree`` of ``step`` as a resume does (the ring's first slot)."""
+        g = self.guard
+        keeper, durable = g.keeper, g.durable
         snap = keeper._resumed_snapshot(step, tree)
-        keeper._restore_resumed(snap, step, durable.store.url)
+        keeper._restore_resumed(snap, step, url)
         snap.digest = keeper.digest()
         snap.agreed = True  # compared below, as the survivors' slot of this step was
         g.cursor.rewind(step, tree["guard"], tree.get("data"))
@@ -291,7 +310,6 @@ class Rejoin:
         g.user_state.restore(snap)
         durable.invalidate_after(step)
         g._rolled_back(step)
-        return "durable"
 
     def _verify(self, step: int) -> None:
         """The replicas' digests of the restored state, compared in one collective."""
@@ -322,7 +340,10 @@ class Rejoin:
         word = word or next(w for _, _, _, w in sources if w is not None)
         why = {
             "ring": "a survivor: its ring slot of the agreed step",
-            "durable": "a replacement: its rank's durable snapshot of the agreed step",
+            "durable": "a replacement: its rank's durable snapshot of the agreed step (its "
+            "own RNG and data position: bit for bit)",
+            "peer": "a replacement: a survivor's ring slot, broadcast and checked by CRC32 "
+            "(no durable snapshot of that step; its RNG is the survivor's)",
         }
         times = [t for _, t, _, _ in sources]
         detect = min((t["detect"] for t in times if "detect" in t), default=None)

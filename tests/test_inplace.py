@@ -139,3 +139,24 @@ def test_sigkill_of_rank1_heals_in_place_bit_for_bit(tmp_path: Path, clean: Path
     assert [e["rank"] for e in kinds(d, "fault")] == [1]
     for a, b in zip(final_states(clean), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
+
+
+def test_no_durable_part_heals_from_the_peer(tmp_path: Path) -> None:
+    """No durable snapshot holds a step the survivors keep (persist every 1000 steps): the
+    replacement takes the survivor's ring slot, checked by CRC32. Its own RNG is lost with
+    its process (dropout differs from an uninterrupted run), so the check is the replicas':
+    every rank ends with the same model and optimizer state, and rank 0 kept its process."""
+    d = tmp_path / "run"
+    parent = Parent(d, {**POLICY, "persist": {"every_steps": 1000}, **CRASH})
+    codes, pid0 = parent.run()
+    assert codes == {0: 0, 1: 0}, parent.tail()
+    assert pid0 > 0 and [e["rank"] for e in kinds(d, "run_start")].count(0) == 1
+    (rec,) = kinds(d, "inplace_recovery")
+    det = rec["details"]
+    assert rec["step"] == 25 and det["replaced"] == [1]
+    assert det["sources"]["0"]["source"] == "ring"
+    assert det["sources"]["1"]["source"] == "peer"
+    s0, s1 = final_states(d)
+    assert s0["step"] == s1["step"] == 40
+    assert_bitwise_equal(s0["model"], s1["model"], "model")
+    assert_bitwise_equal(s0["optim"], s1["optim"], "optim")
