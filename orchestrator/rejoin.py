@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+DURABLE_TRIED = 3  # the newest durable snapshots a replacement checks (the ring holds fewer)
+
 
 def inplace_on() -> bool:
     return os.environ.get(ENV_INPLACE) == "1"
@@ -133,7 +135,11 @@ class Rejoin:
         self._mirror_ddp()
         self.times["reform"] = time.time()
         g.engine.abandon()
-        self._agree(word, live, cause=repr(err)[:300])
+        try:
+            self._agree(word, live, cause=repr(err)[:300])
+        except RejoinFailed as failed:  # the same on every rank: the agent falls back
+            logger.error("rank %d: %s", g.comm.global_rank, failed)
+            return False
         return True
 
     def _unsupported(self) -> str | None:
@@ -221,12 +227,21 @@ class Rejoin:
         return said
 
     def _durable_steps(self) -> dict[int, dict[str, Any]]:
-        """The committed durable snapshots this rank can read, by step (with manifests)."""
+        """The newest committed durable snapshots whose files this rank loads from (its
+        part and the shared one, sizes and checksums checked), with their manifests."""
+        g = self.guard
+        found: dict[int, dict[str, Any]] = {}
         try:
-            found = g_candidates(self.guard)
-        except Exception as err:  # unreadable storage: no durable source, said in the event
-            logger.warning("rank %d: durable tier unreadable: %r", self.guard.comm.rank, err)
-            return {}
+            listed = sorted(g_candidates(g).items(), reverse=True)[:DURABLE_TRIED]
+        except Exception as err:  # unreadable storage: no durable source
+            logger.warning("rank %d: durable tier unreadable: %r", g.comm.global_rank, err)
+            return found
+        for step, manifest in listed:
+            try:
+                g.durable.store.validate_files(step, manifest, sorted({0, g.comm.rank}))
+                found[step] = manifest
+            except Exception as err:  # a part lost or torn: that step is no source here
+                logger.warning("rank %d: durable step %d: %r", g.comm.global_rank, step, err)
         return found
 
     def _agree(self, word: NextGeneration | None, live: int | None, cause: str | None) -> None:

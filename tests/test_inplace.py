@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,10 @@ CRASH = {"faults": [{"kind": "crash", "step": 27, "rank": 1}]}
 class Parent:
     """The agent's part, as small as the protocol allows (one node, 2 ranks)."""
 
-    def __init__(self, run_dir: Path, policy: dict[str, Any]) -> None:
+    def __init__(
+        self, run_dir: Path, policy: dict[str, Any], on_death: Callable[[], None] | None = None
+    ) -> None:
+        self.on_death = on_death  # runs once rank 1 died, before its replacement starts
         self.control = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.stores = [self._group_store()]
         run_dir.mkdir(parents=True)
@@ -97,6 +101,8 @@ class Parent:
             dead = [r for r, p in procs.items() if p.poll() not in (None, 0)]
             if dead and gen == 0 and dead == [1]:
                 gen = 1
+                if self.on_death is not None:
+                    self.on_death()
                 self.stores.append(self._group_store())
                 word = NextGeneration(1, self.stores[1].port, (1,), "signal", time=time.time())
                 self.control.set(next_key(0), word.encode())
@@ -141,13 +147,21 @@ def test_sigkill_of_rank1_heals_in_place_bit_for_bit(tmp_path: Path, clean: Path
         assert_bitwise_equal(a, b, "final")
 
 
-def test_no_durable_part_heals_from_the_peer(tmp_path: Path) -> None:
-    """No durable snapshot holds a step the survivors keep (persist every 1000 steps): the
-    replacement takes the survivor's ring slot, checked by CRC32. Its own RNG is lost with
-    its process (dropout differs from an uninterrupted run), so the check is the replicas':
-    every rank ends with the same model and optimizer state, and rank 0 kept its process."""
+def test_torn_durable_part_heals_from_the_peer(tmp_path: Path) -> None:
+    """Rank 1's part of the durable snapshot of step 20 is torn when it dies, so no durable
+    snapshot holds a step the survivors keep: the replacement takes the survivor's ring
+    slot of step 25, checked by CRC32. Its own RNG is lost with its process (its dropout
+    differs from an uninterrupted run), so the check is the replicas': every rank ends with
+    the same model and optimizer state, and rank 0 kept its process."""
     d = tmp_path / "run"
-    parent = Parent(d, {**POLICY, "persist": {"every_steps": 1000}, **CRASH})
+
+    def tear() -> None:
+        (part,) = (d / "snapshots" / "step_000000020" / "rank_1").glob("*.distcp")
+        raw = bytearray(part.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        part.write_bytes(bytes(raw))
+
+    parent = Parent(d, {**POLICY, **CRASH}, on_death=tear)
     codes, pid0 = parent.run()
     assert codes == {0: 0, 1: 0}, parent.tail()
     assert pid0 > 0 and [e["rank"] for e in kinds(d, "run_start")].count(0) == 1
