@@ -50,9 +50,14 @@ class Parent:
     """The agent's part, as small as the protocol allows (one node, 2 ranks)."""
 
     def __init__(
-        self, run_dir: Path, policy: dict[str, Any], on_death: Callable[[], None] | None = None
+        self,
+        run_dir: Path,
+        policy: dict[str, Any],
+        on_death: Callable[[], None] | None = None,
+        fallback: str | None = None,
     ) -> None:
         self.on_death = on_death  # runs once rank 1 died, before its replacement starts
+        self.fallback = fallback  # the agent's word instead of a next generation
         self.control = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.stores = [self._group_store()]
         run_dir.mkdir(parents=True)
@@ -92,27 +97,38 @@ class Parent:
         """Run to the end, replacing rank 1 once. Returns exit codes and rank 0's pid."""
         procs = {r: self.start(r, 0) for r in range(2)}
         pid0, gen, deadline = procs[0].pid, 0, time.monotonic() + timeout_s
+        gone: set[int] = set()
         while any(p.poll() is None for p in procs.values()):
             if time.monotonic() > deadline:
                 for p in procs.values():
                     p.send_signal(signal.SIGABRT)
                     p.wait()
                 raise AssertionError(f"timed out; logs: {self.tail()}")
-            dead = [r for r, p in procs.items() if p.poll() not in (None, 0)]
-            if dead and gen == 0 and dead == [1]:
-                gen = 1
-                if self.on_death is not None:
-                    self.on_death()
-                self.stores.append(self._group_store())
-                word = NextGeneration(1, self.stores[1].port, (1,), "signal", time=time.time())
+            dead = [r for r, p in procs.items() if p.poll() not in (None, 0) and r not in gone]
+            if dead == [1] and gen == 0 and self.fallback is not None:
+                gen, gone = -1, {1}  # the agent gives up: the survivor must raise
+                word = NextGeneration(0, 0, (1,), "signal", fallback=self.fallback)
                 self.control.set(next_key(0), word.encode())
-                procs[1] = self.start(1, 1)
+            elif dead == [1] and gen == 0:
+                gen = 1
+                procs[1] = self._replace()
+            elif dead and gen == -1:
+                gone.update(dead)
             elif dead:
                 for p in procs.values():
                     p.kill()
                 raise AssertionError(f"ranks {dead} died; logs: {self.tail()}")
             time.sleep(0.02)
         return {r: p.returncode for r, p in procs.items()}, pid0
+
+    def _replace(self) -> subprocess.Popen[bytes]:
+        """Rank 1 died in generation 0: generation 1's store, the word, the replacement."""
+        if self.on_death is not None:
+            self.on_death()
+        self.stores.append(self._group_store())
+        word = NextGeneration(1, self.stores[1].port, (1,), "signal", time=time.time())
+        self.control.set(next_key(0), word.encode())
+        return self.start(1, 1)
 
     def tail(self) -> str:
         return "\n".join(
@@ -174,3 +190,15 @@ def test_torn_durable_part_heals_from_the_peer(tmp_path: Path) -> None:
     assert s0["step"] == s1["step"] == 40
     assert_bitwise_equal(s0["model"], s1["model"], "model")
     assert_bitwise_equal(s0["optim"], s1["optim"], "optim")
+
+
+def test_the_agents_fallback_raises_the_collectives_error(tmp_path: Path) -> None:
+    """The agent's word is a fallback (it restarts everything): the survivor raises the
+    collective's own error, as without the agent; no in-place recovery is journaled."""
+    d = tmp_path / "run"
+    parent = Parent(d, {**POLICY, **CRASH}, fallback="a test's fallback")
+    codes, _ = parent.run()
+    assert codes[0] != 0 and codes[1] == -signal.SIGKILL, parent.tail()
+    assert not kinds(d, "inplace_recovery")
+    assert max(e["step"] for e in kinds(d, "snapshot")) <= 27  # the run ended at the fault
+    assert not kinds(d, "run_end") or kinds(d, "run_end")[0]["details"]["steps"] < 40
