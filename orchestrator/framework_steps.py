@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 from orchestrator.crashes import IN_BODY
-from orchestrator.rejoin import Rejoin
 from orchestrator.rng import set_torch_rng_state, torch_rng_state
 from orchestrator.stepping import StepInternals
 from orchestrator.tuning import Intervals
@@ -36,7 +35,6 @@ class FrameworkSteps(StepInternals):
     """Part of the Guard (see the module docstring)."""
 
     intervals: Intervals
-    rejoin: Rejoin
     _step_rng: tuple[torch.Tensor, Any] | None
     _queued: list[list[int]]  # the sample ids of each micro-batch begin_step returned
 

@@ -105,6 +105,8 @@ class Rejoin:
         #: A replacement whose agreement is still to come (at its first guard.batches).
         self.replacement = self.on and self.gen > 0
         self.times: dict[str, float] = {}
+        #: The inplace_recovery event, journaled once the first step after it committed.
+        self.pending: dict[str, Any] | None = None
         self._ddp_sig: tuple[Any, ...] | None = None
 
     # ------------------------------------------------------------------ survivor -------
@@ -362,9 +364,8 @@ class Rejoin:
         }
         times = [t for _, t, _, _ in sources]
         detect = min((t["detect"] for t in times if "detect" in t), default=None)
-        g._decide(
-            "inplace_recovery",
-            step,
+        self.pending = dict(
+            step=step,
             generation=self.gen,
             replaced=list(word.replaced),
             cause=word.cause,
@@ -380,6 +381,13 @@ class Rejoin:
             },
         )  # fmt: skip
         g._resumed = True
+
+    def first_step(self) -> None:
+        """The first step after the recovery committed: journal it, with that time."""
+        assert self.pending is not None
+        details, self.pending = self.pending, None
+        details["times"]["first_step"] = time.time()
+        self.guard._decide("inplace_recovery", details.pop("step"), **details)
 
 
 def g_candidates(g: Guard) -> dict[int, dict[str, Any]]:

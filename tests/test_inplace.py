@@ -158,6 +158,8 @@ def test_sigkill_of_rank1_heals_in_place_bit_for_bit(tmp_path: Path, clean: Path
     assert rec["step"] == 20
     assert det["sources"]["0"]["source"] == "ring"
     assert det["sources"]["1"]["source"] == "durable"
+    t = det["times"]
+    assert t["fault"] <= t["reform"] <= t["heal"] <= t["first_step"], t
     assert [e["rank"] for e in kinds(d, "fault")] == [1]
     for a, b in zip(final_states(clean), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")

@@ -131,7 +131,8 @@ class InplaceRecovery(Record):
     """Rank(s) replaced in place (issue 33, orchestrator/rejoin.py); the step is the one
     every rank resumed from. ``sources``: by rank, where its state came from and why;
     ``times``: wall-clock seconds (time.time()) of the fault (the agent's word), the
-    survivors' detection, leaving the group, re-forming it, and the heal's end."""
+    survivors' detection, leaving the group, re-forming it, the heal's end and the first
+    step committed after it (when the event is written)."""
 
     generation: int
     replaced: list[int]
