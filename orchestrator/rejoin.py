@@ -135,6 +135,10 @@ class Rejoin:
         live = g.global_step
         self._reform(word)
         self._mirror_ddp()
+        if g.health is not None:
+            # Its own group died with the world: built again as the replacement's start
+            # builds it, at the same point (after DDP's constructor, before the agreement).
+            g.health.__init__(g.health.policy, g.comm, g.run_dir)  # type: ignore[misc]
         self.times["reform"] = time.time()
         g.engine.abandon()
         try:
@@ -151,8 +155,6 @@ class Rejoin:
             return "the Guard runs on a subgroup (process_group=...): only the world is rebuilt"
         if type(g.engine) is not TorchEngine:  # FSDP2, ZeRO, frameworks: not rebound yet
             return f"the {g.engine.name} engine cannot rebind its process groups"
-        if g.health is not None and g.health.group is not None:
-            return "the health checker holds a group of its own (health.on_incident)"
         if g.shm is not None:
             return "snapshot.shared_memory: a replacement's node part is not rebuilt yet"
         if g.investigation.active or g.recovery.open is not None:

@@ -39,7 +39,6 @@ STEPS = ["--steps", "40"]
 POLICY: dict[str, Any] = {
     "adjust": {"lr_factor": 1.0},
     "quarantine": {"enabled": False},
-    "health": {"on_incident": False},
     "snapshot": {"every_steps": 5, "keep": 3},
     "persist": {"every_steps": 10},
 }
