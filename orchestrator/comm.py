@@ -106,6 +106,14 @@ def keep_for_exit(group: dist.ProcessGroup | None) -> None:
         _KEPT_BACKENDS[id(backend)] = backend
 
 
+def forget_for_exit(group: dist.ProcessGroup | None) -> None:
+    """Stop keeping ``group``'s gloo backend: a broken group left behind by an in-place
+    re-form (orchestrator/rejoin.py), whose dead peer no barrier can meet."""
+    backend = _gloo_backend(group)
+    if backend is not None:
+        _KEPT_BACKENDS.pop(id(backend), None)
+
+
 def fence_gloo_at_exit(timeout_s: float = EXIT_BARRIER_TIMEOUT_S) -> int:
     """Fence every gloo group still registered and every one :func:`keep_for_exit` kept, so
     that no gloo worker thread frees the tensors of an earlier collective before interpreter

@@ -30,26 +30,31 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator import replicas
-from orchestrator.comm import Comm, keep_for_exit
+from orchestrator.comm import forget_for_exit, keep_for_exit
 from orchestrator.crashes import collective_failure
 from orchestrator.engines.torch_native import TorchEngine
 from orchestrator.inplace_protocol import (
     ENV_CONTROL_ADDR,
-    ENV_CONTROL_PORT,
-    ENV_GENERATION,
-    ENV_INPLACE,
     NEXT_WAIT_S,
     PG_PREFIX,
     NextGeneration,
     joined_key,
     next_key,
 )
-from orchestrator.rejoin_pick import RejoinFailed, crc_of, pick
+from orchestrator.rejoin_pick import (
+    RejoinFailed,
+    control_store,
+    crc_of,
+    group_timeout,
+    inplace_on,
+    pick,
+    replacement_start,
+    started_generation,
+)
 
 if TYPE_CHECKING:
     from orchestrator.guard import Guard
@@ -57,42 +62,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DURABLE_TRIED = 3  # the newest durable snapshots a replacement checks (the ring holds fewer)
-
-
-def inplace_on() -> bool:
-    return os.environ.get(ENV_INPLACE) == "1"
-
-
-def started_generation() -> int:
-    """The generation this process was started in (0: the attempt's start)."""
-    return int(os.environ.get(ENV_GENERATION, "0") or 0)
-
-
-def replacement_start(comm: Comm) -> Comm:
-    """``comm``, solo when this process replaces a dead rank: the survivors run no start-up
-    collectives, so its Guard starts without any (until :meth:`Rejoin.join`)."""
-    comm.solo = inplace_on() and started_generation() > 0 and comm.world_size > 1
-    return comm
-
-
-def _control_store() -> dist.TCPStore:
-    return dist.TCPStore(
-        os.environ[ENV_CONTROL_ADDR],
-        int(os.environ[ENV_CONTROL_PORT]),
-        is_master=False,
-        timeout=timedelta(seconds=NEXT_WAIT_S),
-    )
-
-
-def _group_timeout() -> timedelta:
-    """The default group's timeout, kept for the next generation's group."""
-    try:
-        pg = dist.group.WORLD
-        assert pg is not None
-        backend = pg._get_backend(torch.device("cpu"))
-        return timedelta(seconds=backend.options._timeout.total_seconds())
-    except (AssertionError, AttributeError, RuntimeError):
-        return dist.distributed_c10d._get_default_timeout(dist.get_backend())
 
 
 class Rejoin:
@@ -122,7 +91,7 @@ class Rejoin:
             logger.warning("rank %d: no in-place recovery: %s", g.comm.global_rank, why)
             return False
         try:
-            store = _control_store()
+            store = control_store()
             store.wait([next_key(self.gen)], timedelta(seconds=NEXT_WAIT_S))
             word = NextGeneration.decode(store.get(next_key(self.gen)))
         except (RuntimeError, dist.DistError) as wait_err:
@@ -132,6 +101,18 @@ class Rejoin:
             logger.warning("rank %d: the agent falls back: %s", g.comm.global_rank, word.fallback)
             return False
         self.times = {"detect": t_detect, "leave": time.time(), "fault": word.time}
+        try:
+            self._rejoin(word, cause=repr(err)[:300])
+        except (RejoinFailed, RuntimeError) as failed:
+            # A second death during the heal, or no common state: the same on every rank
+            # that sees it; the agent falls back to a full restart.
+            logger.error("rank %d: in-place recovery failed: %r", g.comm.global_rank, failed)
+            return False
+        return True
+
+    def _rejoin(self, word: NextGeneration, cause: str) -> None:
+        """Re-form on the next generation, rebind the groups' holders, then agree."""
+        g = self.guard
         live = g.global_step
         self._reform(word)
         self._mirror_ddp()
@@ -141,12 +122,7 @@ class Rejoin:
             g.health.__init__(g.health.policy, g.comm, g.run_dir)  # type: ignore[misc]
         self.times["reform"] = time.time()
         g.engine.abandon()
-        try:
-            self._agree(word, live, cause=repr(err)[:300])
-        except RejoinFailed as failed:  # the same on every rank: the agent falls back
-            logger.error("rank %d: %s", g.comm.global_rank, failed)
-            return False
-        return True
+        self._agree(word, live, cause)
 
     def _unsupported(self) -> str | None:
         """Why this rank cannot rebind its groups (None: it can)."""
@@ -165,8 +141,9 @@ class Rejoin:
         """Leave the broken group and join generation ``word.gen``'s, with the same rank,
         world size, backend and timeout; the Guard's Comm takes the new world group."""
         g = self.guard
-        backend, timeout = dist.get_backend(), _group_timeout()
+        backend, timeout = dist.get_backend(), group_timeout()
         rank, world = dist.get_rank(), dist.get_world_size()
+        forget_for_exit(g.comm.group)
         dist.destroy_process_group()
         client = dist.TCPStore(
             os.environ[ENV_CONTROL_ADDR], word.port, is_master=False, timeout=timeout
@@ -236,7 +213,12 @@ class Rejoin:
         g = self.guard
         found: dict[int, dict[str, Any]] = {}
         try:
-            listed = sorted(g_candidates(g).items(), reverse=True)[:DURABLE_TRIED]
+            candidates = g.durable.store.candidates()
+            listed = sorted(
+                ((c.step, c.manifest) for c in candidates if c.committed and c.manifest),
+                key=lambda sm: sm[0],
+                reverse=True,
+            )[:DURABLE_TRIED]
         except Exception as err:  # unreadable storage: no durable source
             logger.warning("rank %d: durable tier unreadable: %r", g.comm.global_rank, err)
             return found
@@ -355,7 +337,7 @@ class Rejoin:
         """Count this rank in, and journal the recovery once (rank 0 of the new group)."""
         g = self.guard
         sources = g.comm.all_gather_object((source, self.times, cause, word))
-        _control_store().add(joined_key(self.gen), 1)
+        control_store().add(joined_key(self.gen), 1)
         word = word or next(w for _, _, _, w in sources if w is not None)
         why = {
             "ring": "a survivor: its ring slot of the agreed step",
@@ -392,10 +374,4 @@ class Rejoin:
         self.guard._decide("inplace_recovery", details.pop("step"), **details)
 
 
-def g_candidates(g: Guard) -> dict[int, dict[str, Any]]:
-    """The committed durable snapshots of ``g``'s store with their manifests, by step."""
-    return {
-        c.step: c.manifest
-        for c in g.durable.store.candidates()
-        if c.committed and c.manifest is not None
-    }
+__all__ = ["Rejoin", "RejoinFailed", "inplace_on", "replacement_start", "started_generation"]

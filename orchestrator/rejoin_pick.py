@@ -1,16 +1,67 @@
-"""The pure parts of in-place recovery (orchestrator/rejoin.py): the agreement's choice of
-the step and of each rank's source, and the checksum a peer's copy is checked by."""
+"""The parts of in-place recovery (orchestrator/rejoin.py) that hold no Guard state: the
+environment the agent sets, the control store, the agreement's choice of the step and of
+each rank's source, and the checksum a peer's copy is checked by."""
 
 from __future__ import annotations
 
+import os
 import zlib
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from orchestrator.comm import Comm
+from orchestrator.inplace_protocol import (
+    ENV_CONTROL_ADDR,
+    ENV_CONTROL_PORT,
+    ENV_GENERATION,
+    ENV_INPLACE,
+    NEXT_WAIT_S,
+)
 
 
 class RejoinFailed(RuntimeError):
     """The in-place path cannot go on here (why): the collective's error is raised instead."""
+
+
+def inplace_on() -> bool:
+    """This rank runs under the agent, with in-place recovery on."""
+    return os.environ.get(ENV_INPLACE) == "1"
+
+
+def started_generation() -> int:
+    """The generation this process was started in (0: the attempt's start)."""
+    return int(os.environ.get(ENV_GENERATION, "0") or 0)
+
+
+def replacement_start(comm: Comm) -> Comm:
+    """``comm``, solo when this process replaces a dead rank: the survivors run no start-up
+    collectives, so its Guard starts without any (until ``Rejoin.join``)."""
+    comm.solo = inplace_on() and started_generation() > 0 and comm.world_size > 1
+    return comm
+
+
+def control_store() -> dist.TCPStore:
+    """A client of the agent's control store."""
+    return dist.TCPStore(
+        os.environ[ENV_CONTROL_ADDR],
+        int(os.environ[ENV_CONTROL_PORT]),
+        is_master=False,
+        timeout=timedelta(seconds=NEXT_WAIT_S),
+    )
+
+
+def group_timeout() -> timedelta:
+    """The default group's timeout, kept for the next generation's group."""
+    try:
+        pg = dist.group.WORLD
+        assert pg is not None
+        backend = pg._get_backend(torch.device("cpu"))
+        return timedelta(seconds=backend.options._timeout.total_seconds())
+    except (AssertionError, AttributeError, RuntimeError):
+        return dist.distributed_c10d._get_default_timeout(dist.get_backend())
 
 
 def pick(said: list[dict[str, Any]]) -> tuple[int, dict[int, str]]:
