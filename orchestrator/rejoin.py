@@ -94,7 +94,7 @@ class Rejoin:
             store = control_store()
             store.wait([next_key(self.gen)], timedelta(seconds=NEXT_WAIT_S))
             word = NextGeneration.decode(store.get(next_key(self.gen)))
-        except (RuntimeError, dist.DistError) as wait_err:
+        except (RuntimeError, dist.DistError, KeyError, ValueError) as wait_err:
             logger.warning("rank %d: no word from the agent (%r)", g.comm.global_rank, wait_err)
             return False
         if word.fallback is not None:
@@ -131,6 +131,11 @@ class Rejoin:
             return "the Guard runs on a subgroup (process_group=...): only the world is rebuilt"
         if type(g.engine) is not TorchEngine:  # FSDP2, ZeRO, frameworks: not rebound yet
             return f"the {g.engine.name} engine cannot rebind its process groups"
+        model = getattr(g.engine, "model", None)
+        if isinstance(model, DistributedDataParallel) and (
+            model.static_graph or model.mixed_precision is not None or model._comm_hooks
+        ):
+            return "DDP with static_graph, mixed_precision or a comm hook is not rebuilt"
         if g.shm is not None:
             return "snapshot.shared_memory: a replacement's node part is not rebuilt yet"
         if g.investigation.active or g.recovery.open is not None:
@@ -175,7 +180,8 @@ class Rejoin:
         model.process_group = group
         params, sparse = model._build_params_for_reducer()
         _verify_param_shape_across_processes(group, params)
-        _sync_module_states(model.module, group, model.broadcast_bucket_size, 0, set(), True)
+        ignore, buffers = model.parameters_to_ignore, model.forward_sync_buffers
+        _sync_module_states(model.module, group, model.broadcast_bucket_size, 0, ignore, buffers)
         names = model._build_debug_param_to_name_mapping(params)
         model._ddp_init_helper(params, sparse, names, False)
         model._has_rebuilt_buckets = False
