@@ -57,6 +57,8 @@ class Parent:
     ) -> None:
         self.on_death = on_death  # runs once rank 1 died, before its replacement starts
         self.fallback = fallback  # the agent's word instead of a next generation
+        self.run_dir, self.cause = run_dir, "signal"
+        self.hangs = any(f["kind"] == "hang" for f in policy.get("faults", []))
         self.control = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.stores = [self._group_store()]
         run_dir.mkdir(parents=True)
@@ -103,6 +105,9 @@ class Parent:
                     p.send_signal(signal.SIGABRT)
                     p.wait()
                 raise AssertionError(f"timed out; logs: {self.tail()}")
+            if gen == 0 and self._hung(procs[1]):
+                procs[1].kill()  # the agent's hang watch: the hung rank is killed alone
+                procs[1].wait()
             dead = [r for r, p in procs.items() if p.poll() not in (None, 0) and r not in gone]
             if dead == [1] and gen == 0 and self.fallback is not None:
                 gen, gone = -1, {1}  # the agent gives up: the survivor must raise
@@ -120,12 +125,20 @@ class Parent:
             time.sleep(0.02)
         return {r: p.returncode for r, p in procs.items()}, pid0
 
+    def _hung(self, proc: subprocess.Popen[bytes]) -> bool:
+        """Rank 1 fired a ``hang`` fault (journaled before it blocks), still alive."""
+        if not self.hangs or proc.poll() is not None or not (self.run_dir / "journal").exists():
+            return False
+        hung = any(e["details"]["key"].startswith("hang") for e in kinds(self.run_dir, "fault"))
+        self.cause = "hang" if hung else self.cause
+        return hung
+
     def _replace(self) -> subprocess.Popen[bytes]:
         """Rank 1 died in generation 0: generation 1's store, the word, the replacement."""
         if self.on_death is not None:
             self.on_death()
         self.stores.append(self._group_store())
-        word = NextGeneration(1, self.stores[1].port, (1,), "signal", time=time.time())
+        word = NextGeneration(1, self.stores[1].port, (1,), self.cause, time=time.time())
         self.control.set(next_key(0), word.encode())
         return self.start(1, 1)
 
@@ -203,3 +216,19 @@ def test_the_agents_fallback_raises_the_collectives_error(tmp_path: Path) -> Non
     assert not kinds(d, "inplace_recovery")
     assert max(e["step"] for e in kinds(d, "snapshot")) <= 27  # the run ended at the fault
     assert not kinds(d, "run_end") or kinds(d, "run_end")[0]["details"]["steps"] < 40
+
+
+def test_hung_rank1_killed_alone_heals_in_place_bit_for_bit(tmp_path: Path, clean: Path) -> None:
+    """Rank 1 hangs inside step 27 (the survivor blocks in the check's all-reduce); the
+    parent, as the agent's hang watch, kills it alone: the survivor's collective fails, and
+    the recovery is the crash's, bit for bit."""
+    d = tmp_path / "run"
+    parent = Parent(d, {**POLICY, "faults": [{"kind": "hang", "step": 27, "rank": 1}]})
+    codes, _ = parent.run()
+    assert codes == {0: 0, 1: 0}, parent.tail()
+    (rec,) = kinds(d, "inplace_recovery")
+    assert rec["details"]["cause"] == "hang" and rec["step"] == 20
+    assert rec["details"]["sources"]["1"]["source"] == "durable"
+    assert [e["rank"] for e in kinds(d, "run_start")].count(0) == 1
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
