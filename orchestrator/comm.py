@@ -32,15 +32,19 @@ class Comm:
         #: NCCL collectives run there, whatever torch.cuda.current_device() says (cuda:0 on
         #: a rank that never called torch.cuda.set_device).
         self.device: torch.device | None = None
+        #: A replacement rank's start (issue 33, orchestrator/rejoin.py): the survivors run
+        #: no start-up collectives, so until it joins their agreement every collective here
+        #: answers with this rank's own value (as if every rank had said the same).
+        self.solo = False
 
     def all_reduce_sum_(self, t: torch.Tensor) -> torch.Tensor:
         """In-place SUM over the group: the one collective of a healthy step."""
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.solo:
             dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
     def all_reduce_max(self, value: int) -> int:
-        if self.world_size == 1:
+        if self.world_size == 1 or self.solo:
             return value
         t = torch.tensor([value], dtype=torch.int64, device=self._device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
@@ -48,15 +52,15 @@ class Comm:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather a small picklable object from every rank (cold path only)."""
-        if self.world_size == 1:
-            return [obj]
+        if self.world_size == 1 or self.solo:
+            return [obj] * self.world_size
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def broadcast_object(self, obj: Any, src_rank: int = 0) -> Any:
         """Rank ``src_rank`` of the group decides; every rank gets its value."""
-        if self.world_size == 1:
+        if self.world_size == 1 or self.solo:
             return obj
         box = [obj]
         src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
@@ -100,6 +104,14 @@ def keep_for_exit(group: dist.ProcessGroup | None) -> None:
     backend = _gloo_backend(group)
     if backend is not None:
         _KEPT_BACKENDS[id(backend)] = backend
+
+
+def forget_for_exit(group: dist.ProcessGroup | None) -> None:
+    """Stop keeping ``group``'s gloo backend: a broken group left behind by an in-place
+    re-form (orchestrator/rejoin.py), whose dead peer no barrier can meet."""
+    backend = _gloo_backend(group)
+    if backend is not None:
+        _KEPT_BACKENDS.pop(id(backend), None)
 
 
 def fence_gloo_at_exit(timeout_s: float = EXIT_BARRIER_TIMEOUT_S) -> int:

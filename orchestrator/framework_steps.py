@@ -57,7 +57,11 @@ class FrameworkSteps(StepInternals):
         if not self._resumed:
             self._resumed = True
             self.keeper.check_budget()  # with the objects register_state added since
-            step = self.keeper.resume() if self.policy.persist.resume else None
+            step: int | None = None
+            if self.rejoin.replacement:  # issue 33: join the survivors instead
+                step = self.rejoin.join()
+            elif self.policy.persist.resume:
+                step = self.keeper.resume()
             self.global_step = self.global_step if step is None else step
             self.lifecycle.say_if_done(self.global_step, max_steps)
         if not self.ring.snapshots():

@@ -35,6 +35,7 @@ from orchestrator.framework_steps import FrameworkSteps
 from orchestrator.incident import Incident
 from orchestrator.inject import inject
 from orchestrator.policy import Policy, load_policy
+from orchestrator.rejoin import Rejoin, replacement_start
 from orchestrator.rng import set_torch_rng_state, torch_rng_state
 from orchestrator.stateful import UserState
 from orchestrator.stepping import ACCUMULATE, COMMIT, INCIDENT, OVERFLOW_SKIP, PROBE
@@ -78,6 +79,8 @@ class Guard(FrameworkSteps):
         PolicyError: the policy cannot be met here (e.g. not enough host memory for the ring).
     """
 
+    _rejoined = False  # re-formed in place during this step's backward (rejoin.py)
+
     def __init__(
         self,
         policy: Policy | None = None,
@@ -101,7 +104,7 @@ class Guard(FrameworkSteps):
             p = resolve_auto(p)  # a copy with the starting intervals
         self.policy = p
         self.intervals = Intervals.of(p)  # what every_steps: auto changes while training
-        self.comm = comm = Comm(process_group)
+        self.comm = comm = replacement_start(Comm(process_group))  # issue 33: rejoin.py
         self.engine: Engine = engine_for(
             model, optimizer, scheduler, scaler, engine, grad_accum_steps
         )
@@ -157,6 +160,7 @@ class Guard(FrameworkSteps):
             c.suspect,
             c.quarantined,
         )
+        self.rejoin = Rejoin(self)  # in-place recovery under the agent (issue 33)
         # Replicas compare snapshot digests where every rank holds the state alike.
         self._replicated = self.comm.world_size > 1 and self.engine.digest_tensors()[1]
 
@@ -298,7 +302,12 @@ class Guard(FrameworkSteps):
         self._phase = "backward"
         if not real and not self.investigation.needs_backward:
             return  # a re-run judged by its loss alone needs no gradients
-        self.engine.backward(loss)
+        try:
+            self.engine.backward(loss)
+        except RuntimeError as err:  # a peer died in DDP's all-reduce: in place if we can
+            if not (real and self.rejoin.survive(err)):
+                raise
+            self._rejoined = True
 
     def step(self, loss: torch.Tensor | None = None) -> str:
         """Finite check, then commit or the incident pipeline. Must follow backward().
@@ -328,6 +337,9 @@ class Guard(FrameworkSteps):
         self._phase, self._given = "stepped", None
         if self._probing:
             return PROBE
+        if self._rejoined:  # backward's collective broke: re-formed and rolled back
+            self._rejoined = False
+            return INCIDENT
         self.marker.set(self.global_step, self._micro, -1, IN_GUARD)
         assert self._loss is not None
         with self.lifecycle.closing_on_stop(lambda: self.global_step):
@@ -337,7 +349,12 @@ class Guard(FrameworkSteps):
                 if to is not None:
                     self._rolled_back(to)
                 return PROBE
-            return self._check()
+            try:
+                return self._check()
+            except RuntimeError as err:  # a peer died in the check's all-reduce
+                if not self.rejoin.survive(err):
+                    raise
+                return INCIDENT
 
     def close(self, persist: bool = True) -> None:
         """Finish the run: persist its final state (``persist`` and between steps only),

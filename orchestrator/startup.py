@@ -102,7 +102,7 @@ def load_ledger(
     said: tuple[str, Any] | None = None
     held: list[Entry] = []
     failure: BaseException | None = None
-    if comm.rank == 0:
+    if comm.rank == 0 or comm.solo:  # solo: a replacement reads it itself (rejoin.py)
         try:
             loaded = ledger.load()
             events = list(read_journal(run_dir))

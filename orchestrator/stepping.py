@@ -25,6 +25,7 @@ from orchestrator.lifecycle import Lifecycle
 from orchestrator.metrics import Metrics
 from orchestrator.policy import Policy
 from orchestrator.recovery import Recovery
+from orchestrator.rejoin import Rejoin
 from orchestrator.rng import rng_state, set_rng_state
 from orchestrator.snapshot import SnapshotRing
 
@@ -51,6 +52,7 @@ class StepInternals:
     metrics: Metrics
     investigation: Investigation
     recovery: Recovery
+    rejoin: Rejoin
     lifecycle: Lifecycle
     autotune: AutoTune
     global_step: int
@@ -177,6 +179,8 @@ class StepInternals:
             self._stepped = True
             self._event("first_step", resumed=self._resumed)
         self.global_step += 1
+        if self.rejoin.pending is not None:  # the first step after an in-place recovery
+            self.rejoin.first_step()
         self.autotune.committed(self.global_step, bool(checked and checked.writing))
         self.heartbeat.beat(self.global_step)
         phase = self.adjuster.on_commit()

@@ -19,6 +19,7 @@ __all__ = [
     "Diagnosis",
     "Quarantine",
     "Rollback",
+    "InplaceRecovery",
     "Adjust",
     "Recovered",
     "Confirm",
@@ -122,6 +123,23 @@ class Rollback(Record):
     from_step: int | None = None
     min_age_met: bool | None = None
     restore_ms: float | None = None
+
+
+@kind("inplace_recovery")
+@dataclass(frozen=True, kw_only=True)
+class InplaceRecovery(Record):
+    """Rank(s) replaced in place (issue 33, orchestrator/rejoin.py); the step is the one
+    every rank resumed from. ``sources``: by rank, where its state came from and why;
+    ``times``: wall-clock seconds (time.time()) of the fault (the agent's word), the
+    survivors' detection, leaving the group, re-forming it, the heal's end and the first
+    step committed after it (when the event is written)."""
+
+    generation: int
+    replaced: list[int]
+    cause: str | None = None
+    error: str | None = None
+    sources: dict[str, Any] = field(default_factory=dict)
+    times: dict[str, Any] = field(default_factory=dict)
 
 
 @kind("adjust")
