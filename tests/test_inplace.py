@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 import yaml
 
-from conftest import EXAMPLE, REPO, assert_bitwise_equal, final_states, kinds, train
+from conftest import EXAMPLE, REPO, assert_bitwise_equal, final_states, kinds, run, train
 from orchestrator.inplace_protocol import (
     ENV_CONTROL_ADDR,
     ENV_CONTROL_PORT,
@@ -230,5 +230,32 @@ def test_hung_rank1_killed_alone_heals_in_place_bit_for_bit(tmp_path: Path, clea
     assert rec["details"]["cause"] == "hang" and rec["step"] == 20
     assert rec["details"]["sources"]["1"]["source"] == "durable"
     assert [e["rank"] for e in kinds(d, "run_start")].count(0) == 1
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+
+
+def test_under_the_node_agent_rank1_is_replaced_alone_bit_for_bit(
+    tmp_path: Path, clean: Path
+) -> None:
+    """The whole path: `orchestrator launch --nproc-per-node 2` (the node agent), the
+    example's Guard, rank 1 SIGKILLed at step 27 (generation 0 only): the agent starts
+    rank 1 alone, the survivor re-forms the group in its first process, one attempt, bit
+    for bit as the uninterrupted run on every rank."""
+    d = tmp_path / "run"
+    snapshot = {**POLICY["snapshot"], "shared_memory": False}  # the shm heal is not built
+    policy = {**POLICY, **CRASH, "snapshot": snapshot, "supervisor": {"backoff_s": 0.2}}
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy))
+    cmd = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
+           "--run-dir", str(d), "--nproc-per-node", "2",
+           str(EXAMPLE), *STEPS, "--save-final", str(d / "final")]  # fmt: skip
+    r = run(cmd, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:]
+    (rep,) = kinds(d, "rank_replaced")
+    assert (rep["details"]["rank"], rep["details"]["cause"]) == (1, "signal")
+    (rec,) = kinds(d, "inplace_recovery")
+    assert rec["details"]["replaced"] == [1] and rec["step"] == 20
+    assert [e["rank"] for e in kinds(d, "run_start")].count(0) == 1  # rank 0: one process
+    assert kinds(d, "restart") == [] and len(kinds(d, "attempt_end")) == 1
     for a, b in zip(final_states(clean), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
