@@ -178,6 +178,7 @@ def two_nodes(run_dir: Path, policy: dict[str, Any], *script: str) -> None:
         assert r.returncode == 0, r.stdout[-3000:]
 
 
+@pytest.mark.matrix  # the node-1 in-place test covers the agents' c10d rendezvous
 def test_two_nodes_through_c10d_restart_both_after_a_crash_bit_for_bit(
     tmp_path: Path, clean_run: Any
 ) -> None:
