@@ -15,6 +15,7 @@ import yaml
 
 from conftest import EXAMPLE, kinds, run
 from launch.exporter import Exporter
+from launch.outcomes import inplace_steps
 from launch.report import load, totals
 from launch.status import render
 from orchestrator.goodput import KINDS, run_ledger
@@ -132,3 +133,4 @@ def test_a_real_in_place_recovery_is_its_own_kind(tmp_path: Path) -> None:
     assert (s["count"], s["replaced"]) == (1, [1])
     assert s["redone_s"] > 0.0 and s["seconds"] == pytest.approx(led.parts["inplace"])
     assert totals(load(str(d)))["inplace"] == s
+    assert inplace_steps(str(d), 0) == (20,)  # what the supervisor's rules count
