@@ -360,6 +360,7 @@ def _wasted(
         out["replayed"] = (replayed, inner)
     redone = [(r.fault - r.redone_s, r.fault) for r in ix.inplace if r.redone_s is not None]
     redone = [(max(a, start), min(b, end)) for a, b in redone if min(b, end) > max(a, start)]
+    spans += redone  # not counted again in a later full restart's lost span
     if redone:  # an in-place recovery's: the steps since the one the ranks resumed from
         out["lost"] = (
             sum(b - a for a, b in redone),
@@ -371,7 +372,7 @@ def _wasted(
         t0 = start if at is None else min(max(at, start), end)
         span, overheads = end - t0, sum(_overheads(att, t0, end).values())
         # A resume from before a rollback's target: the replayed span inside is counted
-        # (with its overheads) as replayed already.
+        # (with its overheads) as replayed already (an in-place recovery's as lost).
         for a, b in spans:
             lo, hi = max(a, t0), min(b, end)
             if hi > lo:

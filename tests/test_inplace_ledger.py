@@ -18,7 +18,7 @@ from launch.exporter import Exporter
 from launch.outcomes import inplace_steps
 from launch.report import load, totals
 from launch.status import render
-from orchestrator.goodput import KINDS, run_ledger
+from orchestrator.goodput import KINDS, ledger, run_ledger
 from orchestrator.goodput_inplace import recoveries, summary
 from orchestrator.journal import read_events
 
@@ -134,3 +134,28 @@ def test_a_real_in_place_recovery_is_its_own_kind(tmp_path: Path) -> None:
     assert s["redone_s"] > 0.0 and s["seconds"] == pytest.approx(led.parts["inplace"])
     assert totals(load(str(d)))["inplace"] == s
     assert inplace_steps(str(d), 0) == (20,)  # what the supervisor's rules count
+
+
+def test_a_full_restart_after_an_in_place_recovery_counts_the_redone_work_once() -> None:
+    """An in-place recovery (fault 3.8 s, resumed from step 20 captured at 3 s, next step at
+    6 s), then a crash (last progress 8.5 s); attempt 1 resumes from step 20 too: 3.0 to
+    8.5 s is lost once (0.8 s of it the recovery's redone steps), less its 2.2 s in place."""
+    times = {"fault": 3.8, "first_step": 6.0}
+    events = [
+        _ev(0.0, "attempt_start", by=-1),
+        _ev(1.0, "first_step"),
+        _ev(3.0, "snapshot", step=20, stall_ms=0.0),
+        _ev(6.0, "inplace_recovery", step=20, generation=1, replaced=[1], times=times),
+        _ev(9.0, "attempt_end", by=-1, outcome="crash", ended_at=9.0, progress_time=8.5),
+        {**_ev(9.5, "attempt_start", by=-1), "attempt": 1},
+        {**_ev(10.0, "resume", step=20, snapshot_step=20), "attempt": 1},
+        {**_ev(10.5, "first_step"), "attempt": 1},
+        {**_ev(12.0, "attempt_end", by=-1, outcome="ok", ended_at=12.0), "attempt": 1},
+    ]
+    led = ledger(events, [])
+    assert led.wall_s == pytest.approx(12.0)
+    assert sum(led.parts.values()) == pytest.approx(led.wall_s)
+    assert led.parts["inplace"] == pytest.approx(2.2)
+    assert led.parts["lost"] == pytest.approx(5.5 - 2.2)
+    assert led.parts["productive"] == pytest.approx(7.5 - 2.2 - 3.3)
+    assert led.parts["restart"] == pytest.approx(0.5 + 1.5)
