@@ -27,7 +27,9 @@ After an attempt, the first rule that applies decides (docs/supervisor.md):
    adds one, unless it is blameless (another node's doing); ``crash_loop_attempts`` in a
    row: stop, 74 (CRASH_LOOP); on several nodes only after a look at the peers: one that
    stopped beating takes one attempt off the count (the attempt died with it);
-10. ``max_restarts`` restarts made: stop, 75 (RESTARTS_EXHAUSTED);
+   in-place recoveries (a dead rank replaced alone, issue 33) count too (:func:`stalls`);
+10. ``max_restarts`` restarts made, in-place recoveries included: stop, 75
+    (RESTARTS_EXHAUSTED);
 11. else restart, after an exponential backoff with jitter (:func:`backoff`).
 
 The counts start from this node's earlier supervisors' ``attempt_end`` events (the best step
@@ -74,6 +76,7 @@ __all__ = [
     "no_agreement",
     "preempted",
     "progress",
+    "stalls",
 ]
 
 STOPPED_ON_REQUEST = "stopped on request"
@@ -88,6 +91,7 @@ class Tally:
     stalled: int = 0  # attempts in a row without progress past ``best`` (the crash loop)
     restarts: int = 0  # restarts this supervisor made
     unhealthy: int = 0  # attempts that ended UNHEALTHY under this supervisor
+    inplace: int = 0  # in-place recoveries under this supervisor (count toward max_restarts)
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,8 @@ class AttemptEnd:
     jitter: float = 0.0  # a uniform draw in [0, 1): the backoff's jitter
     preemption: Preemption | None = None  # None: not looked at yet (an Ask)
     silent_peers: tuple[str, ...] | None = None  # None: not looked at yet (an Ask)
+    # Its in-place recoveries, in order: the step each resumed from (None: not journaled)
+    inplace: tuple[int | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -195,9 +201,10 @@ def decide(tally: Tally, end: AttemptEnd, sup: SupervisorPolicy) -> Decision:
             )
             return Stop(EXIT_UNHEALTHY, why, now, exclude_hosts=True)
     if made:
-        now = replace(now, stalled=0)
+        now = replace(now, stalled=stalls(end.inplace, made=True))
     elif end.blameless is None:
-        now = replace(now, stalled=now.stalled + 1)
+        now = replace(now, stalled=now.stalled + 1 + stalls(end.inplace, made=False))
+    now = replace(now, inplace=now.inplace + len(end.inplace))
     if now.stalled >= sup.crash_loop_attempts and end.nnodes > 1:
         # Before a verdict that blames this node: a peer that died with the attempt looks
         # alive until its file is stale; the supervisor looks that long.
@@ -212,12 +219,31 @@ def decide(tally: Tally, end: AttemptEnd, sup: SupervisorPolicy) -> Decision:
             f"a bug or a broken node, not bad luck: read {end.log_path}"
         )
         return Stop(EXIT_CRASH_LOOP, why, now)
-    if now.restarts >= sup.max_restarts:
-        return Stop(
-            EXIT_RESTARTS_EXHAUSTED, f"supervisor.max_restarts={sup.max_restarts} spent", now
-        )
+    if now.restarts + now.inplace >= sup.max_restarts:
+        why = f"supervisor.max_restarts={sup.max_restarts} spent"
+        if now.inplace:
+            why += f" ({now.restarts} restart(s), {now.inplace} in-place recovery(ies))"
+        return Stop(EXIT_RESTARTS_EXHAUSTED, why, now)
     now = replace(now, restarts=now.restarts + 1)
     return Restart(backoff(now.restarts, sup, end.jitter), now)
+
+
+def stalls(inplace: tuple[int | None, ...], made: bool) -> int:
+    """What a failed attempt's in-place recoveries add to the crash-loop count: each one is
+    an attempt of its own (a rank died and training went on from a snapshot). In an
+    attempt without progress none made any: each counts. In one with progress, the count
+    starts again at it; a recovery that resumed from no step past an earlier one of the
+    attempt's (the ranks died again before the next snapshot) counts, as the attempts in a
+    row that die at the same step do."""
+    if not made:
+        return len(inplace)
+    out, best = 0, -1
+    for i, step in enumerate(inplace):
+        if step is not None and step > best:
+            best = step
+        elif i and step is not None:
+            out += 1
+    return out
 
 
 def _stop_outright(end: AttemptEnd, now: Tally) -> Stop | Ask | None:

@@ -6,7 +6,8 @@ as it grows (each journal file and the metrics from where the last scrape stoppe
 thread of ours runs between scrapes and nothing is kept twice:
 
 - counters (``_total``): incidents, rollbacks, restarts (job-wide, each attempt once),
-  hangs, quarantined samples, alerts;
+  in-place recoveries (a dead rank replaced alone) and their seconds (fault to next
+  step), hangs, quarantined samples, alerts;
 - gauges: the step (where the ranks are), the attempt, the goodput and its parts
   (``orchestrator_time_seconds{kind=...}``, recomputed as the run moves on, at most every
   ``GOODPUT_MIN_S``),
@@ -38,6 +39,7 @@ from orchestrator.events import (
     quarantine_share,
 )
 from orchestrator.goodput import KINDS, Ledger, Rows, ledger_of
+from orchestrator.goodput_inplace import summary
 from orchestrator.heartbeat import read_heartbeats
 from orchestrator.journal import journal_files
 from orchestrator.protocol import METRICS_NAME
@@ -183,6 +185,7 @@ class Exporter:
             restarts = len(first_each_attempt(events, Restart))
             hangs = len(first_each_attempt(events, Hang))
             yield counter("restarts", "Restarts of the job so far.", restarts)
+            yield from _inplace(events, node)
             yield counter("hangs", "Hangs detected so far.", hangs)
             yield counter("quarantined_samples", "Samples quarantined so far.", quarantined)
             yield counter("alerts", "Alerts sent so far.", count.get("alert", 0))
@@ -214,6 +217,21 @@ class Exporter:
             for kind in KINDS:
                 parts.add_metric([self.node, kind], led.parts[kind])
             yield parts
+
+
+def _inplace(events: list[Event[Any]], node: list[str]) -> Iterator[Any]:
+    """In-place recoveries: not restarts (the survivors kept their processes), counted
+    apart with their time (fault to next step)."""
+    from prometheus_client.core import CounterMetricFamily  # optional, as in collect
+
+    s = summary(events)
+    for name, doc, value in (
+        ("inplace_recoveries", "Dead ranks replaced alone.", s["count"]),
+        ("inplace_seconds", "In-place recoveries: fault to next step.", s["seconds"]),
+    ):
+        c = CounterMetricFamily(f"orchestrator_{name}", doc, labels=["node"])
+        c.add_metric(node, value)
+        yield c
 
 
 def _newest_snapshots(events: list[Event[Any]]) -> dict[str, float]:

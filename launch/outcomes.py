@@ -12,7 +12,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.events import AttemptEnd, AttemptStart, Event, GaveUp, RunEnd, Unhealthy
+from orchestrator.events import (
+    AttemptEnd,
+    AttemptStart,
+    Event,
+    GaveUp,
+    InplaceRecovery,
+    RankReplaced,
+    RunEnd,
+    Unhealthy,
+    of,
+)
 from orchestrator.journal import read_events
 from orchestrator.protocol import (
     EVENT_GAVE_UP,
@@ -149,6 +159,17 @@ def next_attempt_number(run_dir: str, node: str) -> int:
         else:
             others = max(others, e.attempt)
     return max(own + 1, others)
+
+
+def inplace_steps(run_dir: str, attempt: int) -> tuple[int | None, ...]:
+    """The in-place recoveries of ``attempt`` (issue 33), in order: the step each one
+    resumed from (rank 0's ``inplace_recovery``), None where it was not journaled (the
+    first step after it never committed). One per generation: every node's agent that
+    took part may journal the same one."""
+    events = [e for e in read_events(run_dir).events if e.attempt == attempt]
+    resumed = {e.record.generation: e.step for e in of(events, InplaceRecovery) if e.rank == 0}
+    gens = sorted({e.record.generation for e in of(events, RankReplaced)})
+    return tuple(resumed.get(g) for g in gens)
 
 
 def history(run_dir: str, node: str) -> tuple[int, int]:

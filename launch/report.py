@@ -38,6 +38,7 @@ from orchestrator.events import (
 )
 from orchestrator.events.base import R
 from orchestrator.goodput import KINDS, Ledger, ledger
+from orchestrator.goodput_inplace import summary
 from orchestrator.journal import read_events, read_metrics
 
 
@@ -168,6 +169,8 @@ def totals(rec: RunRecord) -> dict[str, Any]:
         "quarantined_fraction": quarantine_fraction(rec.events) if share else None,
         "rollbacks": len(rollbacks),
         "restarts": len(restarts),
+        # dead ranks replaced alone (issue 33): not restarts, counted apart with their time
+        "inplace": summary(rec.events),
         "nodes": sorted(  # the supervisors' (older journals name the host)
             {
                 str(e.record.node if "node" in e.details else e.record.host)
@@ -204,6 +207,8 @@ def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | No
         f"data, {t['incidents_unexplained']} unexplained) |",
         f"| rollbacks | {t['rollbacks']} |",
         f"| restarts | {t['restarts']} |",
+        f"| in-place recoveries | {t['inplace']['count']} ({t['inplace']['seconds']:.1f} s fault "
+        f"to next step, {t['inplace']['redone_s']:.1f} s of steps redone) |",
         f"| steps lost to rollback | {t['steps_lost_to_rollback']} |",
         f"| goodput | {_share(t['goodput'].goodput)} of {t['goodput'].wall_s:.1f} s of wall time "
         "(see Goodput) |",

@@ -24,6 +24,7 @@ from orchestrator.events import (
     quarantine_share,
 )
 from orchestrator.goodput import ledger
+from orchestrator.goodput_inplace import summary
 from orchestrator.heartbeat import progress_time, read_heartbeats
 from orchestrator.journal import read_events, read_metrics
 from orchestrator.layout import SnapshotLayout, default_url
@@ -43,7 +44,9 @@ def render(run_dir: str) -> str:
     lines += _supervisor_lines(supervisors(run_dir))
     lines += _heartbeat_lines(read_heartbeats(run_dir))
     lines.append(_snapshots_line(run_dir))
-    for e in [e for e in events if e.kind in ("incident", "restart", "hang", "gave_up")][-5:]:
+    lines += _inplace_lines(events)
+    shown = ("incident", "restart", "hang", "gave_up", "rank_replaced", "inplace_failed")
+    for e in [e for e in events if e.kind in shown][-5:]:
         lines.append(_row(e))
     return "\n".join(lines)
 
@@ -97,6 +100,18 @@ def _goodput_lines(events: list[Event[Any]], rows: list[dict[str, Any]]) -> list
         f"{led.wall_s:.0f} s" + (
             "; " + ", ".join(f"{k} {v:.1f} s" for k, v in lost[:5]) if lost else "")
     ]  # fmt: skip
+
+
+def _inplace_lines(events: list[Event[Any]]) -> list[str]:
+    """The in-place recoveries (issue 33), apart from restarts: their time and the work
+    they made the ranks do again."""
+    s = summary(events)
+    if not s["count"]:
+        return []
+    return [
+        f"  in-place recoveries {s['count']} (ranks {s['replaced']}): {s['seconds']:.1f} s "
+        f"fault to next step (longest {s['longest_s']:.1f} s), {s['redone_s']:.1f} s redone"
+    ]
 
 
 def _last_word(events: list[Event[Any]]) -> list[str]:

@@ -53,6 +53,7 @@ from launch.outcomes import (
     exclude_hosts,
     gave_up_reason,
     history,
+    inplace_steps,
     next_attempt_number,
     preemption,
 )
@@ -210,6 +211,7 @@ class Supervisor:
                 if a.outcome == GAVE_UP
                 else "",
                 ended=self.cluster.ended_now(),
+                inplace=inplace_steps(self.run_dir, a.number),
             )
         decision = decide(tally, end, self.sup)
         while isinstance(decision, Ask):

@@ -14,8 +14,10 @@ interval is cut at its first completed step and at its last progress:
 - ``hang``: a hung attempt's last progress to its end (the hang timeout, the stacks, the
   kill).
 - ``preemption``: a stop request (its signal) to the end of the attempt it stopped.
-- ``lost``: work of a failed attempt that the next one does again: from the completion of
-  the step it resumes from to the failed attempt's last progress.
+- ``inplace``: a dead rank replaced alone (issue 33): its fault to the first step after.
+- ``lost``: work done again: a failed attempt's, from the completion of the step the next
+  one resumes from to its last progress; an in-place recovery's, from that of the step the
+  ranks resumed from to the fault (orchestrator/goodput_inplace.py).
 - ``replayed``: work a rollback threw away: from the completion of the step rolled back to
   until the incident.
 - ``incident``: handling incidents (the check that found it, isolation re-runs, forensics,
@@ -28,7 +30,6 @@ interval is cut at its first completed step and at its last progress:
 
 The parts add up to the wall time; goodput is productive / wall. The stalls and checks
 inside a ``lost`` or ``replayed`` span count as what they are, the rest of the span as lost.
-Rows are kept compact (a few arrays per attempt), so a long run's ledger stays cheap.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
-from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +52,8 @@ from orchestrator.events import (
     StopRequested,
     typed,
 )
+from orchestrator.goodput_inplace import recoveries
+from orchestrator.goodput_rows import Rows as Rows  # launch/exporter.py keeps them
 from orchestrator.journal import read_events, read_metrics
 
 # The events the ledger reads: the journal's (the protocol's typed events), or their dicts
@@ -64,6 +66,7 @@ KINDS = {
     "startup": "job start to its first step, last step to exit",
     "restart": "failed attempt's last progress to the next one's first step",
     "hang": "a hung attempt's last progress to its kill",
+    "inplace": "a dead rank replaced alone: its fault to the next step",
     "preemption": "stop request to the end of the attempt",
     "lost": "steps a failed attempt did that the next one redid",
     "replayed": "steps a rollback threw away",
@@ -90,37 +93,6 @@ class Ledger:
     @property
     def goodput(self) -> float | None:
         return self.parts["productive"] / self.wall_s if self.wall_s > 0 else None
-
-
-class Rows:
-    """One attempt's metrics rows, as arrays in time order."""
-
-    def __init__(self) -> None:
-        self.times = array("d")
-        self.steps = array("q")
-        self.step_s = array("d")  # nan: not known (the first row after a restart)
-        self.check = array("d")
-        self.writing = array("i")  # steps of the row with a durable write in flight
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.times.append(float(row["time"]))
-        self.steps.append(int(row["step"]))
-        self.step_s.append(float(row["step_s"]) if row.get("step_s") is not None else math.nan)
-        self.check.append(float(row.get("check_s") or 0.0))
-        self.writing.append(int(row.get("writing") or 0))
-
-    def __len__(self) -> int:
-        return len(self.times)
-
-    def span(self, t0: float, t1: float) -> range:
-        return range(bisect.bisect_left(self.times, t0), bisect.bisect_right(self.times, t1))
-
-    def window(self, t0: float, t1: float) -> Rows:
-        """The rows within [t0, t1] (a copy)."""
-        r, out = self.span(t0, t1), Rows()
-        for name in ("times", "steps", "step_s", "check", "writing"):
-            getattr(out, name).extend(getattr(self, name)[r.start : r.stop])
-        return out
 
 
 @dataclass
@@ -161,6 +133,7 @@ class _Index:
         self.recovered: list[tuple[float, float]] = []  # (time, incident began)
         self.rollback_t: list[float] = []
         self.rollback_to: list[int] = []
+        self.inplace = recoveries(events)
         for e in events:
             t, r = e.time, e.record
             if isinstance(r, SnapshotTaken):
@@ -352,6 +325,7 @@ def _overheads(att: _Attempt, start: float, end: float) -> dict[str, float]:
     ix = att.index()
     incident = sum(t - max(began, start) for t, began in ix.recovered if start <= t <= end)
     out = {"incident": incident, "snapshot": ix.stalls(start, end), "check": 0.0, "persist": 0.0}
+    out["inplace"] = sum(max(0.0, min(r.first_step, end) - max(r.fault, start)) for r in ix.inplace)
     rows, base = att.rows, att.base()
     for i in rows.span(start, end):
         out["check"] += rows.check[i]
@@ -384,17 +358,26 @@ def _wasted(
         spans.append((t0, began))
     if replayed:
         out["replayed"] = (replayed, inner)
+    redone = [(r.fault - r.redone_s, r.fault) for r in ix.inplace if r.redone_s is not None]
+    redone = [(max(a, start), min(b, end)) for a, b in redone if min(b, end) > max(a, start)]
+    spans += redone  # not counted again in a later full restart's lost span
+    if redone:  # an in-place recovery's: the steps since the one the ranks resumed from
+        out["lost"] = (
+            sum(b - a for a, b in redone),
+            sum(sum(_overheads(att, a, b).values()) for a, b in redone),
+        )
     if nxt is not None and att.outcome not in ("ok", "stopped"):
         resumes = [e.record for e in nxt.events if isinstance(e.record, Resume)]
         at = _anchor(att, resumes[0].snapshot_step) if resumes else start
         t0 = start if at is None else min(max(at, start), end)
         span, overheads = end - t0, sum(_overheads(att, t0, end).values())
         # A resume from before a rollback's target: the replayed span inside is counted
-        # (with its overheads) as replayed already.
+        # (with its overheads) as replayed already (an in-place recovery's as lost).
         for a, b in spans:
             lo, hi = max(a, t0), min(b, end)
             if hi > lo:
                 span -= hi - lo
                 overheads -= sum(_overheads(att, lo, hi).values())
-        out["lost"] = (span, max(0.0, overheads))
+        was = out.get("lost", (0.0, 0.0))
+        out["lost"] = (was[0] + span, was[1] + max(0.0, overheads))
     return out
