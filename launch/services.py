@@ -25,7 +25,7 @@ from launch.nodes import Peers
 from launch.replica import Replicator
 from orchestrator.journal import Journal
 from orchestrator.policy import Policy
-from orchestrator.protocol import EVENT_EXPORTER, EXIT_OK, shm_root
+from orchestrator.protocol import EVENT_EXPORTER, EXIT_NODE_LOST, EXIT_OK, shm_root
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class Services:
         """The supervisor stops for good (after the other nodes were told): the ring flushed
         into the durable tier when the run did not finish, then removed; the rest let go."""
         if code != EXIT_OK and os.path.isdir(self.shm_dir):
-            self._flush(attempt, policy_path)
+            self._flush(attempt, policy_path, node_lost=code == EXIT_NODE_LOST)
         shutil.rmtree(self.shm_dir, ignore_errors=True)
         if self.janitor is not None:
             self.janitor.close()
@@ -122,12 +122,14 @@ class Services:
         if self.exporter is not None:
             self.exporter.close()
 
-    def _flush(self, attempt: int, policy_path: str) -> None:
+    def _flush(self, attempt: int, policy_path: str, node_lost: bool) -> None:
         """Before the node's shared-memory ring goes: its newest valid slot into the durable
         tier when newer than the newest durable snapshot (orchestrator/flush.py, in a helper
         process: reading the slots needs torch, which the supervisor never imports)."""
-        # On several nodes the helpers wait for each other (bounded) to agree on the step.
-        wait_s = 60.0 if self.peers.nnodes > 1 else 0.0
+        # On several nodes the helpers wait for each other (bounded) to agree on the step; not
+        # for a node known lost (exit 77): its ranks' slots cannot come, so nothing can be
+        # flushed, and waiting would only hold back the exit that names it by a minute.
+        wait_s = 60.0 if self.peers.nnodes > 1 and not node_lost else 0.0
         cmd = [sys.executable, "-m", "orchestrator.flush", "--run-dir", self.run_dir,
                "--shm-dir", self.shm_dir, "--policy", policy_path,
                "--attempt", str(attempt), "--node", self.node,

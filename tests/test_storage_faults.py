@@ -270,6 +270,8 @@ def test_the_s3_endpoint_down_at_a_resume_is_waited_for_not_skipped(
         "persist": {"every_steps": 10, "url": url, "retries": 2, "retry_max_wait_s": 0.2},
         "supervisor": {"backoff_s": 1.0, "backoff_max_s": 2.0, "heartbeat_interval_s": 0.5},
         "faults": [{"kind": "crash", "step": 25, "rank": 0, "after_persist": True}],
+        # the durable tier's resume is tested: no node ring (the default) to resume from
+        "snapshot": {"shared_memory": False},
     }
     cmd = launch_cmd(d, policy, *torchrun(*STEPS, "--save-final", str(d / "final")))
     proc = spawn(cmd)
