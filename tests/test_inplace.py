@@ -242,8 +242,7 @@ def test_under_the_node_agent_rank1_is_replaced_alone_bit_for_bit(
     rank 1 alone, the survivor re-forms the group in its first process, one attempt, bit
     for bit as the uninterrupted run on every rank."""
     d = tmp_path / "run"
-    snapshot = {**POLICY["snapshot"], "shared_memory": False}  # the shm heal is not built
-    policy = {**POLICY, **CRASH, "snapshot": snapshot, "supervisor": {"backoff_s": 0.2}}
+    policy = {**POLICY, **CRASH, "supervisor": {"backoff_s": 0.2}}  # shared memory: auto
     path = tmp_path / "policy.yaml"
     path.write_text(yaml.safe_dump(policy))
     cmd = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
@@ -254,7 +253,8 @@ def test_under_the_node_agent_rank1_is_replaced_alone_bit_for_bit(
     (rep,) = kinds(d, "rank_replaced")
     assert (rep["details"]["rank"], rep["details"]["cause"]) == (1, "signal")
     (rec,) = kinds(d, "inplace_recovery")
-    assert rec["details"]["replaced"] == [1] and rec["step"] == 20
+    assert rec["details"]["replaced"] == [1] and rec["step"] == 25, rec  # newer than durable
+    assert rec["details"]["sources"]["1"]["source"] == "shm", rec  # the dead rank's own slot
     assert [e["rank"] for e in kinds(d, "run_start")].count(0) == 1  # rank 0: one process
     assert kinds(d, "restart") == [] and len(kinds(d, "attempt_end")) == 1
     for a, b in zip(final_states(clean), final_states(d), strict=True):
