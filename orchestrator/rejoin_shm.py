@@ -10,9 +10,9 @@ other ranks wrote.
 From the recovery on, the group keeps no node part (the state every rank of the node holds
 alike, once per node): the node files are named by a count the node's ranks advance in
 step, and a replacement's count starts again at zero. Every rank then keeps its whole state
-in its own files, as a ring of one rank per node does; a later full restart that finds
-slots written so does not use them (other ranks' node parts) and resumes from the durable
-tier.
+in its own files, as a ring of one rank per node does. A later full restart uses the slots
+written since; an older one whose node part a replacement's verdict no longer names is
+refused by :func:`node_refusal` (the durable tier then).
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from orchestrator.inplace_protocol import (
     joined_key,
     next_key,
 )
+from orchestrator.protocol import ENV_SHM_DIR
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -204,6 +205,30 @@ def test_torn_durable_part_heals_from_the_peer(tmp_path: Path) -> None:
     assert s0["step"] == s1["step"] == 40
     assert_bitwise_equal(s0["model"], s1["model"], "model")
     assert_bitwise_equal(s0["optim"], s1["optim"], "optim")
+
+
+def test_lost_shm_slots_heal_from_the_durable_part(tmp_path: Path, clean: Path) -> None:
+    """The ring in shared memory (the supervisor's folder, as under the agent): rank 1's
+    slots are gone when it dies (memory lost with it); its replacement heals from its
+    durable part instead, rank 0 in its first process, bit for bit."""
+    d, shm = tmp_path / "run", tmp_path / "shm"
+    lost: list[str] = []
+
+    def lose_rank1_slots() -> None:
+        for f in shm.glob("slot*/rank1*"):
+            lost.append(f.name)
+            f.unlink()
+
+    parent = Parent(d, {**POLICY, **CRASH}, on_death=lose_rank1_slots)
+    parent.env[ENV_SHM_DIR] = str(shm)
+    codes, _ = parent.run()
+    assert codes == {0: 0, 1: 0}, parent.tail()
+    assert any(n.endswith(".json") for n in lost), lost  # rank 1 had sealed slots there
+    (rec,) = kinds(d, "inplace_recovery")
+    assert rec["step"] == 20 and rec["details"]["sources"]["1"]["source"] == "durable", rec
+    assert [e["rank"] for e in kinds(d, "run_start")].count(0) == 1
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
 
 
 def test_the_agents_fallback_raises_the_collectives_error(tmp_path: Path) -> None:
