@@ -55,6 +55,7 @@ from orchestrator.rejoin_pick import (
     replacement_start,
     started_generation,
 )
+from orchestrator.rejoin_shm import shm_steps, without_node_part
 
 if TYPE_CHECKING:
     from orchestrator.guard import Guard
@@ -77,6 +78,7 @@ class Rejoin:
         #: The inplace_recovery event, journaled once the first step after it committed.
         self.pending: dict[str, Any] | None = None
         self._ddp_sig: tuple[Any, ...] | None = None
+        self._shm: dict[int, int] = {}  # a replacement's intact shared-memory slots by step
 
     # ------------------------------------------------------------------ survivor -------
     def survive(self, err: BaseException) -> bool:
@@ -136,8 +138,6 @@ class Rejoin:
             model.static_graph or model.mixed_precision is not None or model._comm_hooks
         ):
             return "DDP with static_graph, mixed_precision or a comm hook is not rebuilt"
-        if g.shm is not None:
-            return "snapshot.shared_memory: a replacement's node part is not rebuilt yet"
         if g.investigation.active or g.recovery.open is not None:
             return "an incident was open"
         return None
@@ -209,6 +209,8 @@ class Rejoin:
             said["token"] = getattr(g.durable, "_token", None)
         else:
             said["durable"] = self._durable_steps()
+            self._shm = shm_steps(g.shm)  # its rank's slots, left by the dead process
+            said["shm"] = sorted(self._shm)
             # A peer's copy fits where every rank holds the same state and data position.
             said["peer"] = g.engine.state_replicated and g.cursor.position()[1] is None
         return said
@@ -241,12 +243,15 @@ class Rejoin:
         g = self.guard
         said = g.comm.all_gather_object(self._say(live))
         step, sources = pick(said)
+        without_node_part(g)  # before the replacement's ring takes the agreed step
         mine = sources[g.comm.global_rank]
         token = next(s["token"] for s in said if not s["replacement"])
         if live is None:
             g.durable._token = token  # this run's writes, named as the survivors name them
         if mine == "durable":
             self._load_durable(step, said[g.comm.rank]["durable"][step])
+        elif mine == "shm" and g.shm is not None:
+            self._load_tree(step, g.shm.load(self._shm[step]), f"shm://{g.shm.root}")
         elif live is not None:
             self._roll_back(step)
         if "peer" in sources.values():
@@ -347,6 +352,8 @@ class Rejoin:
         word = word or next(w for _, _, _, w in sources if w is not None)
         why = {
             "ring": "a survivor: its ring slot of the agreed step",
+            "shm": "a replacement: its rank's shared-memory slot of the agreed step, left "
+            "by the dead process and checked by CRC32 (its own RNG and data position)",
             "durable": "a replacement: its rank's durable snapshot of the agreed step (its "
             "own RNG and data position: bit for bit)",
             "peer": "a replacement: a survivor's ring slot, broadcast and checked by CRC32 "

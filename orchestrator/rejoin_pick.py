@@ -67,8 +67,9 @@ def group_timeout() -> timedelta:
 def pick(said: list[dict[str, Any]]) -> tuple[int, dict[int, str]]:
     """The step every rank resumes from and each rank's source (by global rank), the same
     on every rank: the newest step every survivor holds sealed in its ring that every
-    replacement loads from its durable part (exact: its own RNG and data position), else
-    the newest the survivors hold, the replacements taking a survivor's copy.
+    replacement loads from its own shared-memory slot or its durable part (exact: its own
+    RNG and data position; the slot first), else the newest the survivors hold, the
+    replacements taking a survivor's copy.
 
     Raises:
         RejoinFailed: no such step, or a replacement that no source fits.
@@ -76,19 +77,20 @@ def pick(said: list[dict[str, Any]]) -> tuple[int, dict[int, str]]:
     rings = [set(s["ring"]) for s in said if not s["replacement"]]
     common = set.intersection(*rings) if rings else set()
     news = [s for s in said if s["replacement"]]
-    durable = set(common)
+    exact = set(common)  # a replacement's own slot in shared memory first, then durable
     for s in news:
-        durable &= set(s["durable"])
-    if durable:
-        step, new_source = max(durable), "durable"
+        exact &= set(s.get("shm", [])) | set(s["durable"])
+    if exact:
+        step = max(exact)
+        own = {s["rank"]: "shm" if step in s.get("shm", []) else "durable" for s in news}
     elif common and all(s["peer"] for s in news):
-        step, new_source = max(common), "peer"
+        step, own = max(common), {s["rank"]: "peer" for s in news}
     else:
         raise RejoinFailed(
             f"no step that every survivor's ring holds and every replacement can load "
             f"({said}): in-place recovery falls back"
         )
-    return step, {s["rank"]: new_source if s["replacement"] else "ring" for s in said}
+    return step, {s["rank"]: own[s["rank"]] if s["replacement"] else "ring" for s in said}
 
 
 def crc_of(tree: Any) -> int:

@@ -35,6 +35,7 @@ pytestmark = pytest.mark.timeout(240)
 FAST = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
 BASE = {"adjust": {"lr_factor": 1.0}, "persist": {"every_steps": 10}, "supervisor": FAST}
 WORKER = Path(__file__).parent / "inplace_worker.py"
+NO_RANK_SIDE = Path(__file__).parent / "no_rank_side.py"  # the example, in-place off inside
 
 
 def launch(run_dir: Path, policy: dict[str, Any], *script: str) -> list[str]:
@@ -66,7 +67,8 @@ def test_a_crash_without_the_rank_side_restarts_everything_bit_for_bit(
         "supervisor": {**FAST, "in_place_timeout_s": 30},
         "faults": [{"kind": "crash", "step": 25, "rank": 1}],
     }
-    r = run(launch(d, policy, str(EXAMPLE), "--steps", "30", "--save-final", str(d / "final")))
+    script = [str(NO_RANK_SIDE), str(EXAMPLE), "--steps", "30", "--save-final", str(d / "final")]
+    r = run(launch(d, policy, *script))
     assert r.returncode == 0, r.stdout[-3000:]
     (restart,) = kinds(d, "restart")
     assert restart["details"]["cause"] == "crash" and restart["attempt"] == 0

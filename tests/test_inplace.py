@@ -32,6 +32,7 @@ from orchestrator.inplace_protocol import (
     joined_key,
     next_key,
 )
+from orchestrator.protocol import ENV_SHM_DIR
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -206,6 +207,30 @@ def test_torn_durable_part_heals_from_the_peer(tmp_path: Path) -> None:
     assert_bitwise_equal(s0["optim"], s1["optim"], "optim")
 
 
+def test_lost_shm_slots_heal_from_the_durable_part(tmp_path: Path, clean: Path) -> None:
+    """The ring in shared memory (the supervisor's folder, as under the agent): rank 1's
+    slots are gone when it dies (memory lost with it); its replacement heals from its
+    durable part instead, rank 0 in its first process, bit for bit."""
+    d, shm = tmp_path / "run", tmp_path / "shm"
+    lost: list[str] = []
+
+    def lose_rank1_slots() -> None:
+        for f in shm.glob("slot*/rank1*"):
+            lost.append(f.name)
+            f.unlink()
+
+    parent = Parent(d, {**POLICY, **CRASH}, on_death=lose_rank1_slots)
+    parent.env[ENV_SHM_DIR] = str(shm)
+    codes, _ = parent.run()
+    assert codes == {0: 0, 1: 0}, parent.tail()
+    assert any(n.endswith(".json") for n in lost), lost  # rank 1 had sealed slots there
+    (rec,) = kinds(d, "inplace_recovery")
+    assert rec["step"] == 20 and rec["details"]["sources"]["1"]["source"] == "durable", rec
+    assert [e["rank"] for e in kinds(d, "run_start")].count(0) == 1
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+
+
 def test_the_agents_fallback_raises_the_collectives_error(tmp_path: Path) -> None:
     """The agent's word is a fallback (it restarts everything): the survivor raises the
     collective's own error, as without the agent; no in-place recovery is journaled."""
@@ -242,8 +267,7 @@ def test_under_the_node_agent_rank1_is_replaced_alone_bit_for_bit(
     rank 1 alone, the survivor re-forms the group in its first process, one attempt, bit
     for bit as the uninterrupted run on every rank."""
     d = tmp_path / "run"
-    snapshot = {**POLICY["snapshot"], "shared_memory": False}  # the shm heal is not built
-    policy = {**POLICY, **CRASH, "snapshot": snapshot, "supervisor": {"backoff_s": 0.2}}
+    policy = {**POLICY, **CRASH, "supervisor": {"backoff_s": 0.2}}  # shared memory: auto
     path = tmp_path / "policy.yaml"
     path.write_text(yaml.safe_dump(policy))
     cmd = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
@@ -254,7 +278,8 @@ def test_under_the_node_agent_rank1_is_replaced_alone_bit_for_bit(
     (rep,) = kinds(d, "rank_replaced")
     assert (rep["details"]["rank"], rep["details"]["cause"]) == (1, "signal")
     (rec,) = kinds(d, "inplace_recovery")
-    assert rec["details"]["replaced"] == [1] and rec["step"] == 20
+    assert rec["details"]["replaced"] == [1] and rec["step"] == 25, rec  # newer than durable
+    assert rec["details"]["sources"]["1"]["source"] == "shm", rec  # the dead rank's own slot
     assert [e["rank"] for e in kinds(d, "run_start")].count(0) == 1  # rank 0: one process
     assert kinds(d, "restart") == [] and len(kinds(d, "attempt_end")) == 1
     for a, b in zip(final_states(clean), final_states(d), strict=True):
