@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,31 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     """Run in a new session; on timeout kill the whole group (torchrun's workers included)."""
     return wait(spawn(cmd, env), timeout)
+
+
+def preempt_at(cmd: list[str], run_dir: Path, step: int) -> tuple[int, str]:
+    """Start the supervisor's ``cmd``, SIGTERM it (it alone, as a scheduler would) once a
+    rank's heartbeat reaches ``step``; its return code and output."""
+    from orchestrator.heartbeat import read_heartbeats
+
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # bounded poll: training must reach the step
+            if any(b["step"] >= step for b in read_heartbeats(str(run_dir))):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"training never reached step {step}")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out
 
 
 def train(

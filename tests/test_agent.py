@@ -5,11 +5,8 @@ tensors, every rank) and journal events."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +15,16 @@ import yaml
 
 from conftest import (
     EXAMPLE,
-    REPO,
     assert_bitwise_equal,
     final_states,
     free_port,
     kinds,
+    preempt_at,
     run,
     spawn,
     wait,
 )
 from orchestrator.errors import EXIT_PREEMPTED
-from orchestrator.heartbeat import read_heartbeats
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -84,25 +80,8 @@ def test_a_crash_without_the_rank_side_restarts_everything_bit_for_bit(
 def test_sigterm_preempts_through_the_agent_and_resumes(tmp_path: Path) -> None:
     d = tmp_path / "run"
     policy = {**BASE, "persist": {"every_steps": 1000}}  # only the preemption persists
-    cmd = launch(d, policy, str(EXAMPLE), "--steps", "60")
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # bounded poll: training must reach step 10
-            if any(b["step"] >= 10 for b in read_heartbeats(str(d))):
-                break
-            time.sleep(0.1)
-        else:
-            pytest.fail("training never reached step 10")
-        proc.send_signal(signal.SIGTERM)  # to the supervisor only, as a scheduler would
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    code, out = preempt_at(launch(d, policy, str(EXAMPLE), "--steps", "60"), d, 10)
+    assert code == EXIT_PREEMPTED, out[-3000:]
     (pre,) = kinds(d, "preempted")
     assert pre["details"]["persisted"] is True
     r = run(launch(d, policy, str(EXAMPLE), "--steps", "60"))

@@ -219,9 +219,13 @@ def test_a_replaced_node_restores_from_its_buddys_copy_bit_for_bit(tmp_path: Pat
     policy = {
         **SHM,
         "snapshot": {"every_steps": 10, "keep": 4, "shared_memory": True, "replicate": "buddy"},
+        # no durable snapshot newer than the buddy's copy, wherever the kill lands
+        "persist": {"every_steps": 1000},
         "supervisor": {**SHM["supervisor"], "heartbeat_interval_s": 0.5},
     }
-    steps = ("--steps", "70")
+    # Long enough that node 1 is killed mid-run: on a quiet machine 70 steps took 0.8 s and
+    # ended before the first copy of step 20 reached node 0 (CI: no buddy_restore at all).
+    steps = ("--steps", "400")
     clean = tmp_path / "clean"
     for r in finish(start_nodes(clean, policy, *steps)):
         assert r.returncode == 0, r.stdout[-3000:]

@@ -15,7 +15,16 @@ from typing import Any
 import pytest
 import yaml
 
-from conftest import EXAMPLE, REPO, assert_bitwise_equal, final_states, free_port, kinds, run
+from conftest import (
+    EXAMPLE,
+    REPO,
+    assert_bitwise_equal,
+    final_states,
+    free_port,
+    kinds,
+    preempt_at,
+    run,
+)
 from orchestrator.errors import EXIT_CRASH_LOOP, EXIT_LOCKED, EXIT_PREEMPTED
 from orchestrator.heartbeat import read_heartbeats
 
@@ -144,25 +153,8 @@ def test_crash_loop_stops_early(tmp_path: Path) -> None:
 def test_sigterm_preempts_with_snapshot_and_the_same_command_resumes(tmp_path: Path) -> None:
     d = tmp_path / "run"
     policy = {**BASE, "persist": {"every_steps": 1000}}  # only the preemption persists
-    cmd = launch_cmd(d, policy, *torchrun("--steps", "400"))
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:  # bounded poll: training must reach step 20
-            if any(b["step"] >= 20 for b in read_heartbeats(str(d))):
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("training never reached step 20")
-        proc.send_signal(signal.SIGTERM)  # to the supervisor only, as a scheduler would
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    code, out = preempt_at(launch_cmd(d, policy, *torchrun("--steps", "400")), d, 20)
+    assert code == EXIT_PREEMPTED, out[-3000:]
     (pre,) = kinds(d, "preempted")
     assert pre["details"]["persisted"] is True
     assert [e["step"] for e in kinds(d, "persist")] == [pre["step"]]
