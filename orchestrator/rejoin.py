@@ -31,12 +31,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from orchestrator import replicas
 from orchestrator.comm import forget_for_exit, keep_for_exit
 from orchestrator.crashes import collective_failure
-from orchestrator.engines.torch_native import TorchEngine
 from orchestrator.inplace_protocol import (
     ENV_CONTROL_ADDR,
     NEXT_WAIT_S,
@@ -117,7 +115,7 @@ class Rejoin:
         g = self.guard
         live = g.global_step
         self._reform(word)
-        self._mirror_ddp()
+        g.engine.rebind()
         if g.health is not None:
             # Its own group died with the world: built again as the replacement's start
             # builds it, at the same point (after DDP's constructor, before the agreement).
@@ -131,13 +129,9 @@ class Rejoin:
         g = self.guard
         if g.comm.group is not dist.group.WORLD:
             return "the Guard runs on a subgroup (process_group=...): only the world is rebuilt"
-        if type(g.engine) is not TorchEngine:  # FSDP2, ZeRO, frameworks: not rebound yet
-            return f"the {g.engine.name} engine cannot rebind its process groups"
-        model = getattr(g.engine, "model", None)
-        if isinstance(model, DistributedDataParallel) and (
-            model.static_graph or model.mixed_precision is not None or model._comm_hooks
-        ):
-            return "DDP with static_graph, mixed_precision or a comm hook is not rebuilt"
+        why = g.engine.rebind_unsupported()
+        if why is not None:
+            return why
         if g.investigation.active or g.recovery.open is not None:
             return "an incident was open"
         return None
@@ -163,28 +157,6 @@ class Rejoin:
         self.gen = word.gen
         g.comm.group = dist.group.WORLD
         keep_for_exit(g.comm.group)
-
-    def _mirror_ddp(self) -> None:
-        """What the replacement's ``DDP(model)`` runs in its constructor, on the new group,
-        and a reducer with the initial bucket layout (the replacement's has that one)."""
-        from torch.distributed.utils import (
-            _sync_module_states,
-            _verify_param_shape_across_processes,
-        )
-
-        model = getattr(self.guard.engine, "model", None)
-        if not isinstance(model, DistributedDataParallel):
-            return
-        group = dist.group.WORLD
-        assert group is not None
-        model.process_group = group
-        params, sparse = model._build_params_for_reducer()
-        _verify_param_shape_across_processes(group, params)
-        ignore, buffers = model.parameters_to_ignore, model.forward_sync_buffers
-        _sync_module_states(model.module, group, model.broadcast_bucket_size, 0, ignore, buffers)
-        names = model._build_debug_param_to_name_mapping(params)
-        model._ddp_init_helper(params, sparse, names, False)
-        model._has_rebuilt_buckets = False
 
     # ------------------------------------------------------------------ replacement ----
     def join(self) -> int:

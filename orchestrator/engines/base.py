@@ -210,6 +210,17 @@ class Engine(ABC):
         buffers DDP broadcasts): a snapshot taken before the forward copies them first."""
         return list(self.core.buffers())
 
+    def rebind_unsupported(self) -> str | None:
+        """Why this engine cannot follow an in-place recovery's re-formed world group
+        (:mod:`orchestrator.rejoin`); None: :meth:`rebind` can. The default: it cannot, and
+        the agent falls back to a full restart."""
+        return f"the {self.name} engine cannot rebind its process groups"
+
+    def rebind(self) -> None:  # noqa: B027 (a hook with a default: nothing holds the group)
+        """The world group was destroyed and formed again (same ranks, same backend): point
+        whatever holds the old group at ``dist.group.WORLD`` and re-run the collectives the
+        replacement's constructors run, in the same order. Called on survivors only."""
+
     def release(self) -> None:  # noqa: B027 (a hook with a default: nothing to release)
         """The run is closed: remove what the engine attached to the user's objects."""
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from orchestrator.engines.base import Engine
 from orchestrator.engines.fsdp import FSDP1Engine, FSDP2Engine, is_fsdp2
 from orchestrator.engines.torch_native import TorchEngine
 from orchestrator.errors import UsageError
@@ -67,6 +68,9 @@ class FrameworkEngine(TorchEngine):
             ``grad_accum_steps`` (Trainer's and Lightning's are, Accelerate's is not): the
             step's mean loss is then the sum of its micro-batches' losses.
     """
+
+    def rebind_unsupported(self) -> str | None:
+        return Engine.rebind_unsupported(self)  # not rebound yet: a full restart
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from orchestrator.engines.base import Engine
 from orchestrator.engines.inplace import Copier, copy_optimizer
 from orchestrator.engines.torch_native import TorchEngine
 from orchestrator.errors import UsageError
@@ -69,6 +70,9 @@ class FSDP2Engine(TorchEngine):
     rank_local_keys = frozenset(
         {"model", "optim", "sched", "scaler", "rng", "guard", "layout", "data", USER_KEY}
     )
+
+    def rebind_unsupported(self) -> str | None:
+        return Engine.rebind_unsupported(self)  # not rebound yet: a full restart
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -232,6 +236,9 @@ class FSDP1Engine(TorchEngine):
     _grads_replicated = False
     _rerun_grads_local = False  # as for FSDP2: no_sync would leak unsharded grads
     rank_local_keys = FSDP2Engine.rank_local_keys
+
+    def rebind_unsupported(self) -> str | None:
+        return Engine.rebind_unsupported(self)  # not rebound yet: a full restart
 
     def can_rerun_fp32(self, autocast: bool = False) -> bool:
         return False

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from orchestrator.diagnose import low_precision
 from orchestrator.engines.base import Engine
 from orchestrator.engines.inplace import Copier, copy_module, copy_optimizer
+from orchestrator.engines.rebind_ddp import ddp_unsupported, mirror_ddp
 from orchestrator.engines.registry import EngineArgs
 from orchestrator.errors import UsageError
 from orchestrator.rng import rng_state, set_rng_state
@@ -79,6 +80,12 @@ class TorchEngine(Engine):
                 "optimizer, the scheduler and the GradScaler and zeroes the gradients; remove "
                 "optimizer.step() (and zero_grad(), scheduler.step(), scaler.step()) from the loop"
             )
+
+    def rebind_unsupported(self) -> str | None:
+        return ddp_unsupported(self.model)
+
+    def rebind(self) -> None:
+        mirror_ddp(self.model)
 
     def release(self) -> None:
         if self._foreign is not None:
