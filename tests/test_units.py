@@ -983,3 +983,41 @@ def test_old_format_cuda_rng_restores_the_stream_that_moved() -> None:
     expect = torch.rand(2)
     set_rng_state({**old, "cuda": states})
     assert torch.equal(torch.rand(2), expect)
+
+
+REBIND_DDP_CHECK = """
+import os, warnings, torch, torch.distributed as dist
+from torch import nn
+from orchestrator.engines.rebind_ddp import ddp_unsupported, mirror_ddp
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"],
+                        rank=0, world_size=1)
+warnings.simplefilter("ignore", FutureWarning)  # broadcast_buffers is deprecated in 2.13
+def ddp(buffers, **kw):
+    m = nn.Sequential(nn.Linear(4, 4), *([nn.BatchNorm1d(4)] if buffers else []))
+    return nn.parallel.DistributedDataParallel(m, **kw)
+print("default", ddp(True) and ddp_unsupported(ddp(True)))
+print("no-broadcast", ddp_unsupported(ddp(True, broadcast_buffers=False)) is not None)
+print("no-buffers", ddp_unsupported(ddp(False, broadcast_buffers=False)))
+class Old(nn.parallel.DistributedDataParallel):  # as torch 2.11 keeps it: a plain attribute
+    broadcast_buffers = False
+old = Old(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+del old.forward_sync_buffers
+print("old", ddp_unsupported(old))
+new = ddp(True)
+mirror_ddp(new)
+print("mirrored", new.reducer is not None)
+"""
+
+
+def test_ddp_rebind_reads_either_torch_and_refuses_what_it_cannot_tell() -> None:
+    """orchestrator/engines/rebind_ddp.py: torch 2.11's DDP has no forward_sync_buffers (an
+    H200 run died healing on it); a 2.13 DDP with buffers and broadcast_buffers=False hides
+    whether its constructor broadcast them, so in-place recovery falls back there."""
+    from conftest import free_port, run
+
+    r = run([sys.executable, "-c", REBIND_DDP_CHECK], env={"PORT": str(free_port())}, timeout=60)
+    assert r.returncode == 0, r.stdout
+    lines = dict(x.split(" ", 1) for x in r.stdout.splitlines() if " " in x)
+    assert lines["default"] == "None" and lines["no-broadcast"] == "True", r.stdout
+    assert lines["no-buffers"] == "None" and lines["old"] == "None", r.stdout
+    assert lines["mirrored"] == "True", r.stdout
