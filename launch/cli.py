@@ -306,7 +306,7 @@ def _add_drill(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Runs the example model under the supervisor once per engine x fault, "
         "each in its own run directory under --out, and writes drill.md and drill.json there.",
     )
-    dr.add_argument("--quick", action="store_true", help="DDP and six faults (a few minutes)")
+    dr.add_argument("--quick", action="store_true", help="DDP and seven faults (a few minutes)")
     dr.add_argument("--engines", help="comma-separated: ddp,fsdp2,fsdp1,zero1,zero2,zero3")
     dr.add_argument("--faults", help="comma-separated fault names (default: all)")
     dr.add_argument("--out", help="folder for the cells and the table (default: ./drill-<time>)")

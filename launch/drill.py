@@ -35,12 +35,13 @@ from typing import Any
 
 import yaml
 
-from launch.drill_judge import _audit, _recovery, _same_final
+from launch.drill_judge import _audit, _in_place, _recovery, _same_final
 from launch.drill_matrix import (
     BATCH,
     DRILL_POLICY,
     ENGINES,
     FAULTS,
+    IN_PLACE,
     QUICK,
     SAMPLES,
     SEED,
@@ -130,12 +131,17 @@ class Drill:
         parse_policy(policy, source=f"<drill {engine.name}/{name}>")  # fails here, not in a rank
         return policy, url
 
-    def _cmd(self, engine: Engine, run_dir: Path, policy_path: Path) -> list[str]:
+    def _cmd(
+        self, engine: Engine, run_dir: Path, policy_path: Path, agent: bool = False
+    ) -> list[str]:
+        """Under the supervisor: torchrun, or the node agent (in-place recovery)."""
+        launcher = ["--nproc-per-node", str(self.nproc)] if agent else [
+            "--", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+            str(self.nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        ]  # fmt: skip
         return [
             sys.executable, "-m", "launch.cli", "launch", "--policy", str(policy_path),
-            "--run-dir", str(run_dir), "--", sys.executable, "-m", "torch.distributed.run",
-            "--nproc-per-node", str(self.nproc), "--master-addr", "127.0.0.1",
-            "--master-port", str(_free_port()), str(EXAMPLES / engine.script), *engine.args,
+            "--run-dir", str(run_dir), *launcher, str(EXAMPLES / engine.script), *engine.args,
             "--steps", str(self.steps), "--save-final", str(run_dir / "final"),
         ]  # fmt: skip
 
@@ -196,7 +202,7 @@ class Drill:
             expected = f"exit {fault.expect}, then 0"
         c = Cell(engine.name, fault.name, fault.what, expected, run_dir=str(run_dir))
         t0 = time.monotonic()
-        cmd = self._cmd(engine, run_dir, path)
+        cmd = self._cmd(engine, run_dir, path, fault.agent)
         c.exit_codes.append(self._wait(self._start(cmd, log, faults)))
         if fault.again and c.exit_codes[0] == fault.expect:
             c.exit_codes.append(self._wait(self._start(cmd, log, faults)))  # the same again
@@ -219,7 +225,16 @@ class Drill:
         wrong_tier = fault.tier is not None and tiers[:1] != [fault.tier]
         if survived and wrong_tier:  # it survived, but not the way the fault promises
             c.outcome = f"FAILED: resumed from {tiers[:1] or 'nothing'}, not {fault.tier}"
-        c.passed = survived and not wrong_tier and c.bitwise != "NO" and not c.data_lost
+        if fault.agent:
+            c.in_place = _in_place(run_dir)
+        # Promised in place (IN_PLACE) but restarted every rank: survived, not the promised way.
+        not_in_place = fault.agent and engine.name in IN_PLACE and c.in_place.startswith("no")
+        if survived and not_in_place:
+            c.outcome = f"FAILED: restarted every rank ({c.in_place})"
+        c.passed = (
+            survived and not wrong_tier and not not_in_place and c.bitwise != "NO"
+            and not c.data_lost
+        )  # fmt: skip
         return c
 
     # --- the matrix -----------------------------------------------------------------------

@@ -56,6 +56,10 @@ def _recovery(run_dir: Path) -> tuple[float | None, int | None]:
         at, step = float(inc["started_at"]), int(inc["step"])
     else:
         return None, None
+    inplace = [e for e in events if e["time"] > at and e["kind"] == "inplace_recovery"]
+    if inplace:  # the survivors re-formed in place: the event has the first step's time
+        first = float(inplace[0]["details"]["times"]["first_step"])
+        return round(first - at, 2), max(0, step - int(inplace[0]["step"]))
     back = [e for e in events if e["time"] > at and e["kind"] in ("rollback", "resume")]
     if not back:
         return None, None
@@ -77,3 +81,20 @@ def _audit(run_dir: Path, url: str | None) -> list[str]:
         return audit(str(run_dir), url, policy.quarantine.ledger_url, key)
     except Exception as err:  # the audit itself failed: that is a finding, not a pass
         return [f"audit failed: {err!r}"]
+
+
+def _in_place(run_dir: Path) -> str:
+    """An agent cell's in-place verdict: ``yes: rank R from SOURCE`` per recovery, or ``no:``
+    and the agent's reason for its full restart (``no: -`` when none was journaled)."""
+    events = list(read_journal(str(run_dir)))
+    done = [e["details"] for e in events if e["kind"] == "inplace_recovery"]
+    if done:
+        sources = [
+            f"rank {r} from {s['source']}"
+            for d in done
+            for r, s in sorted(d["sources"].items())
+            if int(r) in d["replaced"]
+        ]
+        return "yes: " + ", ".join(sources)
+    failed = [e["details"]["reason"] for e in events if e["kind"] == "inplace_failed"]
+    return f"no: {failed[0] if failed else '-'}"

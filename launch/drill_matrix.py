@@ -48,6 +48,7 @@ class Fault:
     reference: str = "clean"  # which clean run it is compared with
     tier: str | None = None  # the tier the restart must resume from (else the cell fails)
     replicas: bool = False  # only where ranks hold the state alike (replica digests)
+    agent: bool = False  # launched by the node agent (--nproc-per-node): in-place recovery
 
 
 def _poison_id(world: int, step: int = 17) -> int:
@@ -71,6 +72,10 @@ FAULTS = (
           lambda w: [{"kind": "crash", "step": 27, "rank": w - 1}]),
     Fault("hang", "rank 0 blocks forever at step 27",
           lambda w: [{"kind": "hang", "step": 27, "rank": 0}]),
+    Fault("crash_inplace", "SIGKILL of the last rank at step 27, under the node agent",
+          lambda w: [{"kind": "crash", "step": 27, "rank": w - 1}], agent=True),
+    Fault("hang_inplace", "the last rank blocks forever at step 27, under the node agent",
+          lambda w: [{"kind": "hang", "step": 27, "rank": w - 1}], agent=True),
     Fault("preempt", "SIGTERM to the supervisor at step 25, then the same command",
           lambda w: [{"kind": "preempt", "step": 25}], expect=EXIT_PREEMPTED, again=True),
     Fault("storage", "3 durable writes fail (transient)",
@@ -104,7 +109,10 @@ FAULTS = (
 )  # fmt: skip
 # Engines whose model state is sharded: no two ranks hold it alike.
 SHARDED = frozenset({"fsdp2", "fsdp1", "zero3"})
-QUICK = ("nan", "crash", "hang", "preempt", "kill_write", "bad_manifest")
+# Engines whose survivors re-form in place (Engine.rebind): an agent cell of theirs must show
+# an in-place recovery. The others' agent cells must fall back to a full restart, bit for bit.
+IN_PLACE = frozenset({"ddp"})
+QUICK = ("nan", "crash", "hang", "crash_inplace", "preempt", "kill_write", "bad_manifest")
 
 DRILL_POLICY: dict[str, Any] = {
     "snapshot": {"every_steps": 5, "keep": 3},
@@ -133,6 +141,7 @@ class Cell:
     bitwise: str = "-"  # yes, NO, or - (not promised)
     recovery_s: float | None = None  # fault -> next completed step
     steps_lost: int | None = None
+    in_place: str = "-"  # agent cells: "yes: ..." (sources) or "no: ..." (the fallback's reason)
     data_lost: list[str] = field(default_factory=list)
     seconds: float = 0.0
     run_dir: str = ""

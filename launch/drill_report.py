@@ -43,11 +43,12 @@ def table(cells: list[Cell], nproc: int) -> str:
     head = (
         f"Fault drill, {time.strftime('%Y-%m-%d')}, {machine()}; {nproc} ranks per run "
         f"(`orchestrator drill`). {sum(c.passed for c in cells)} of {len(cells)} cells pass.\n\n"
-        "| engine | fault | expected | outcome | bit for bit | fault -> next step | steps lost "
-        "| data lost |\n|---|---|---|---|---|---|---|---|"
+        "| engine | fault | expected | outcome | bit for bit | in place | fault -> next step "
+        "| steps lost | data lost |\n|---|---|---|---|---|---|---|---|---|"
     )
     rows = [
         f"| {c.engine} | {c.fault}: {c.what} | {c.expected} | {c.outcome} | {c.bitwise} | "
+        f"{c.in_place} | "
         f"{'-' if c.recovery_s is None else f'{c.recovery_s:.1f} s'} | "
         f"{'-' if c.steps_lost is None else c.steps_lost} | "
         f"{'none' if not c.data_lost else f'{len(c.data_lost)}: {c.data_lost[0]}'} |"

@@ -160,7 +160,7 @@ class AttemptRunner:
         if len(self.launcher.seen.send(signal.SIGKILL, only=pids)) < len(pids):
             return False  # a culprit not held (never seen, or gone): no guess at a pid
         _say(f"hang: killed rank(s) {sorted(bad)} alone; the node agent replaces them")
-        self.watch.rearm()
+        self.watch.rearm(self.sup.in_place_timeout_s)
         return True
 
     def _ended_early(

@@ -108,9 +108,13 @@ class HangWatch:
         }
         return late or None
 
-    def rearm(self) -> None:
-        """Count every rank's age afresh from now (hung ranks were replaced in place)."""
-        self._stalls.restart(time.monotonic())
+    def rearm(self, hold_s: float = 0.0) -> None:
+        """Count every rank's age afresh from ``hold_s`` after now: hung ranks were killed
+        alone, and their replacements start, heal and join (the survivors make no progress
+        meanwhile) within the agent's ``in_place_timeout_s``, past which the agent itself
+        falls back to a full restart. Judged at hang_timeout_s instead, a replacement slower
+        to start than that (imports, CUDA: 8 s on an H200) restarted every rank."""
+        self._stalls.restart(time.monotonic() + hold_s)
 
     def settle(self) -> None:
         """At an attempt's end: a pause whose cause has gone (the supervisor's own file is

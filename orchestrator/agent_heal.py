@@ -117,7 +117,7 @@ class Healer:
         )  # fmt: skip
         why = self._wait_joined(word.gen, world, stopping)
         if why is not None:
-            self._fallback(word.gen, dead, cause, why)
+            self._fallback(word.gen, dead, cause, why + self._refusals(g))
             return False
         self.gen, joined = word.gen, time.time()
         for old, rep, code in zip(dead, new, codes, strict=True):
@@ -198,6 +198,19 @@ class Healer:
                     f"{self.timeout_s:g} s (a survivor without the in-place side, or stuck)"
                 )
             time.sleep(0.02)
+
+    def _refusals(self, g: int) -> str:
+        """What this node's survivors of broken generation ``g`` said before giving up (a
+        survivor on another node is its own agent's to report), or ''."""
+        said = []
+        for rank in (r.rank for r in self.ranks.ranks):
+            key = IP.refused_key(g, rank)
+            try:
+                if self.control.check([key]):
+                    said.append(f"rank {rank}: {self.control.get(key).decode()}")
+            except (RuntimeError, UnicodeDecodeError):  # the store's host is gone: say less
+                break
+        return f" ({'; '.join(said)})" if said else ""
 
     def _fallback(self, gen: int, dead: list[Rank], cause: IP.Cause, why: str) -> None:
         """Say so to the ranks (they leave) and the other agents; the caller stops them.

@@ -85,6 +85,13 @@ def next_key(gen: int) -> str:
     return f"orchestrator/inplace/next/{gen}"
 
 
+def refused_key(gen: int, rank: int) -> str:
+    """Where a survivor of broken generation ``gen`` says why it cannot re-form in place
+    before it gives up (its engine, an open incident, a failed heal): the agent's fallback
+    then journals that reason instead of only the survivor's death."""
+    return f"orchestrator/inplace/refused/{gen}/{rank}"
+
+
 def joined_key(gen: int) -> str:
     """The counter every rank of generation ``gen`` adds 1 to once formed and healed."""
     return f"orchestrator/inplace/joined/{gen}"

@@ -42,6 +42,7 @@ from orchestrator.inplace_protocol import (
     NextGeneration,
     joined_key,
     next_key,
+    refused_key,
 )
 from orchestrator.rejoin_pick import (
     RejoinFailed,
@@ -89,6 +90,7 @@ class Rejoin:
         why = self._unsupported()
         if why is not None:
             logger.warning("rank %d: no in-place recovery: %s", g.comm.global_rank, why)
+            self._refuse(why)
             return False
         try:
             store = control_store()
@@ -107,8 +109,18 @@ class Rejoin:
             # A second death during the heal, or no common state: the same on every rank
             # that sees it; the agent falls back to a full restart.
             logger.error("rank %d: in-place recovery failed: %r", g.comm.global_rank, failed)
+            self._refuse(f"the re-form or heal failed: {failed!r}"[:500])
             return False
         return True
+
+    def _refuse(self, why: str) -> None:
+        """Tell the agent why this survivor gives up (it journals the reason with its
+        fallback); best effort: the agent falls back on this rank's death anyway."""
+        rank = self.guard.comm.global_rank
+        try:
+            control_store().set(refused_key(self.gen, rank), why)
+        except (RuntimeError, dist.DistError) as e:
+            logger.warning("rank %d: could not tell the agent why (%r)", rank, e)
 
     def _rejoin(self, word: NextGeneration, cause: str) -> None:
         """Re-form on the next generation, rebind the groups' holders, then agree."""

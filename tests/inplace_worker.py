@@ -11,6 +11,8 @@ state to the replacement, which joins through its own env:// init, as a user's s
 step ``Ki``'s collective.
 ``--hang-at K``: in attempt 0, rank 1 of generation 0 stops making progress at step K
 (heartbeats as the Guard writes them, so the supervisor's hang watch names it).
+``--slow-start S``: a replacement (generation > 0) sleeps S seconds before its init (a
+host where the interpreter, imports and CUDA take that long).
 ``--die-again``: the replacement SIGKILLs itself after its init, before it joined (a second
 death during healing: the agent falls back). Writes DIR/rank<r>.json: pid at start and end,
 generation, the final state.
@@ -69,6 +71,7 @@ def main() -> None:
     p.add_argument("--die-at", type=int, nargs="*", default=[])
     p.add_argument("--hang-at", type=int, default=-1)
     p.add_argument("--die-again", action="store_true")
+    p.add_argument("--slow-start", type=float, default=0.0)
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     gen = int(os.environ[IP.ENV_GENERATION])
@@ -77,6 +80,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     start_pid = os.getpid()
     ctl = control()
+    if gen > 0:
+        time.sleep(a.slow_start)  # the simulated slow start itself, not a wait for anything
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     state = torch.zeros(8, dtype=torch.float64)
     step = torch.zeros(1, dtype=torch.int64)

@@ -77,6 +77,23 @@ def test_a_crash_without_the_rank_side_restarts_everything_bit_for_bit(
         assert_bitwise_equal(a, b, "final")
 
 
+def test_a_survivor_that_cannot_re_form_says_why_and_every_rank_restarts(
+    tmp_path: Path,
+) -> None:
+    """An engine that does not re-form in place (FSDP1): the survivor tells the agent why
+    before it gives up, and the agent's fallback journals that reason (not only "rank 0
+    died"); the full restart finishes."""
+    d = tmp_path / "run"
+    policy = {**BASE, "faults": [{"kind": "crash", "step": 12, "rank": 1}]}
+    r = run(launch(d, policy, str(EXAMPLE), "--fsdp1", "--steps", "16"))
+    assert r.returncode == 0, r.stdout[-3000:]
+    (failed,) = kinds(d, "inplace_failed")
+    reason = failed["details"]["reason"]
+    assert "rank 0: the FSDP1Engine engine cannot rebind its process groups" in reason, reason
+    (restart,) = kinds(d, "restart")
+    assert restart["attempt"] == 0 and kinds(d, "rank_replaced") == []
+
+
 def test_sigterm_preempts_through_the_agent_and_resumes(tmp_path: Path) -> None:
     d = tmp_path / "run"
     policy = {**BASE, "persist": {"every_steps": 1000}}  # only the preemption persists
@@ -213,12 +230,14 @@ def test_deaths_beyond_in_place_max_per_attempt_restart_everything(
 
 def test_a_hung_rank_is_killed_and_replaced_alone(tmp_path: Path, clean_worker: Any) -> None:
     """Rank 1 stops making progress at step 12: the supervisor's hang watch names it, kills
-    it alone, and the agent replaces it (cause: hang); rank 0 keeps its process."""
+    it alone, and the agent replaces it (cause: hang); rank 0 keeps its process. The
+    replacement takes longer to start than hang_timeout_s (the survivors make no progress
+    meanwhile): the watch gives the recovery in_place_timeout_s before it judges again (the
+    drill's hang_inplace cell restarted every rank when it did not, under load)."""
     d = tmp_path / "run"
-    # Above the replacement's start (interpreter, import torch, init) on a loaded host:
-    # the survivors wait in the re-form meanwhile, making no progress.
-    policy = {**BASE, "supervisor": {**FAST, "hang_timeout_s": 10.0}}
-    r = run(launch(d, policy, str(WORKER), "--out", str(d / "out"), "--hang-at", "12"))
+    policy = {**BASE, "supervisor": {**FAST, "hang_timeout_s": 2.0}}
+    script = ["--out", str(d / "out"), "--hang-at", "12", "--slow-start", "4"]
+    r = run(launch(d, policy, str(WORKER), *script))
     assert r.returncode == 0, r.stdout[-3000:]
     (hang,) = kinds(d, "hang")
     assert [c["rank"] for c in hang["details"]["culprits"]] == [1]

@@ -1,4 +1,4 @@
-"""`orchestrator drill --quick` as a user runs it: DDP, six faults, each cell under the
+"""`orchestrator drill --quick` as a user runs it: DDP, seven faults, each cell under the
 supervisor in its own run directory, judged against a clean run; every cell must pass."""
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ def test_the_quick_drill_passes(tmp_path: Path) -> None:
     # The crash at 27 resumes from the ring in shared memory (the default where /dev/shm
     # has room): from step 25, its newest sealed snapshot, not the durable tier's 20.
     assert cells["nan"]["steps_lost"] == 3 and cells["crash"]["steps_lost"] == 2
+    # Under the node agent the dead rank alone is replaced, from its own shared-memory slot.
+    assert cells["crash_inplace"]["in_place"] == "yes: rank 1 from shm", cells["crash_inplace"]
+    assert cells["crash_inplace"]["steps_lost"] == 2 and cells["crash"]["in_place"] == "-"
     # The crash as the supervisor saw it: the crash's own step (not the last heartbeat's,
     # an interval older), and each attempt's output kept.
     crash = Path(cells["crash"]["run_dir"])
