@@ -18,7 +18,7 @@ from launch.alerts import Alerter
 from launch.hangs import collect, culprit_words
 from launch.launcher import Launcher, log_path
 from launch.progress import Stalls
-from orchestrator.heartbeat import progress_time, read_heartbeats, suspects
+from orchestrator.heartbeat import REJOIN, progress_time, read_heartbeats, suspects
 from orchestrator.journal import Journal
 from orchestrator.policy_sections import SupervisorPolicy
 from orchestrator.protocol import EVENT_HANG, clock_id
@@ -104,9 +104,16 @@ class HangWatch:
         late = {
             int(b["rank"]): int(b["step"])
             for b in beats
-            if b.get("phase") != "done" and stalls.age(b, now) > self.sup.hang_timeout_s
+            if b.get("phase") != "done" and stalls.age(b, now) > self._limit(b)
         }
         return late or None
+
+    def _limit(self, beat: dict[str, Any]) -> float:
+        """The seconds without progress that make ``beat``'s rank hung: a survivor waiting
+        in an in-place recovery gets the agent's own limit, past which it falls back."""
+        if beat.get("phase") == REJOIN:
+            return max(self.sup.hang_timeout_s, self.sup.in_place_timeout_s)
+        return self.sup.hang_timeout_s
 
     def rearm(self, hold_s: float = 0.0) -> None:
         """Count every rank's age afresh from ``hold_s`` after now: hung ranks were killed

@@ -20,6 +20,7 @@ from torch.distributed import TCPStore
 from orchestrator import inplace_protocol as IP
 from orchestrator.agent_ranks import Rank, Ranks
 from orchestrator.events.supervisor import Hang
+from orchestrator.heartbeat import forget_beat
 from orchestrator.journal import Journal, read_events
 from orchestrator.policy_sections import SupervisorPolicy
 from orchestrator.protocol import (
@@ -110,6 +111,8 @@ class Healer:
         if word is None or word.fallback is not None or set(word.replaced) != set(replaced):
             self._fallback(g, dead, cause, f"no next generation for rank(s) {list(replaced)}")
             return False
+        for r in dead if self.run_dir else ():
+            forget_beat(self.run_dir, r.rank)
         new = [self.ranks.replace(r.local, (self.addr, word.port), word.gen) for r in dead]
         logger.warning(
             "agent: rank(s) %s died (%s); replaced alone in generation %d",

@@ -46,8 +46,26 @@ from orchestrator.stacks import arm, disarm, main_thread_id
 # Where a rank is in its step, in order. A rank blocked in a collective waits for the ranks
 # at an earlier position; other phases (recovered, closing, ...) are not compared.
 STEP_PHASES = ("train", "backward", "check")
+# In-place recovery (orchestrator/rejoin.py): a survivor waits for the replacement to start,
+# heal and join. The supervisor judges it by supervisor.in_place_timeout_s, not
+# hang_timeout_s: a replacement's start (imports, CUDA, model build) can take longer.
+REJOIN = "rejoin"
 
 logger = logging.getLogger(__name__)
+
+
+def beat_path(run_dir: str, rank: int) -> str:
+    """Where ``rank`` (on this node) writes its beats."""
+    return os.path.join(node_path(run_dir, HEARTBEAT_DIR, node_name()), f"rank{rank}.json")
+
+
+def forget_beat(run_dir: str, rank: int) -> None:
+    """A dead rank's last beat, removed when the node agent starts its replacement: it would
+    age into a hang while the replacement starts; the replacement beats from its first step."""
+    try:
+        os.unlink(beat_path(run_dir, rank))
+    except FileNotFoundError:
+        pass
 
 
 class Heartbeat:
@@ -63,9 +81,9 @@ class Heartbeat:
         interval_s: float,
         on_error: Callable[[OSError], object] | None = None,
     ) -> None:
-        self.dir = node_path(run_dir, HEARTBEAT_DIR, node_name())
+        self.path = beat_path(run_dir, rank)
+        self.dir = os.path.dirname(self.path)
         os.makedirs(self.dir, exist_ok=True)
-        self.path = os.path.join(self.dir, f"rank{rank}.json")
         self.base = {
             "rank": rank,
             "attempt": attempt,

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from orchestrator import replicas
 from orchestrator.comm import forget_for_exit, keep_for_exit
 from orchestrator.crashes import collective_failure
+from orchestrator.heartbeat import REJOIN
 from orchestrator.inplace_protocol import (
     ENV_CONTROL_ADDR,
     NEXT_WAIT_S,
@@ -87,6 +88,7 @@ class Rejoin:
             return False
         g = self.guard
         t_detect = time.time()
+        g.heartbeat.enter(REJOIN)  # judged by in_place_timeout_s meanwhile (launch/watch.py)
         why = self._unsupported()
         if why is not None:
             logger.warning("rank %d: no in-place recovery: %s", g.comm.global_rank, why)

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from orchestrator import inplace_protocol as IP
-from orchestrator.heartbeat import Heartbeat
+from orchestrator.heartbeat import REJOIN, Heartbeat
 
 STEPS = 30
 
@@ -103,6 +103,7 @@ def main() -> None:
         try:
             dist.all_reduce(x)
         except RuntimeError:  # a peer died: the agent replaces it
+            beat.enter(REJOIN)  # as the Guard's survivor says it (orchestrator/rejoin.py)
             gen = reform(ctl, gen, rank, world)
             heal(ctl, gen, state, step)
             continue  # the step is redone by every rank of the new generation

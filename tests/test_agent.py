@@ -138,6 +138,28 @@ def test_a_dead_rank_is_replaced_alone(tmp_path: Path, clean_worker: Any) -> Non
     assert kinds(d, "restart") == [] and len(kinds(d, "attempt_end")) == 1
 
 
+def test_a_replacement_slower_than_hang_timeout_s_is_no_hang(
+    tmp_path: Path, clean_worker: Any
+) -> None:
+    """Rank 1 dies at step 12 and its replacement takes 4 s to start (imports, CUDA: 8 s
+    on an H200), twice hang_timeout_s. The dead rank's last beat and the survivor waiting
+    in the re-form are not a hang (the agent removes the beat; the survivor's phase is
+    ``rejoin``, judged by in_place_timeout_s): in place, no restart. Under load the drill's
+    crash_inplace cell restarted every rank on the dead rank's stale beat."""
+    d = tmp_path / "run"
+    policy = {**BASE, "supervisor": {**FAST, "hang_timeout_s": 2.0}}
+    script = ["--out", str(d / "out"), "--die-at", "12", "--slow-start", "4"]
+    r = run(launch(d, policy, str(WORKER), *script), timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert kinds(d, "hang") == [] and kinds(d, "restart") == []
+    (rep,) = kinds(d, "rank_replaced")
+    assert rep["details"]["rank"] == 1 and rep["details"]["seconds"] >= 4.0
+    got = _states(d / "out")
+    assert got[0]["pid_start"] == got[0]["pid_end"]
+    for rank in (0, 1):
+        assert got[rank]["hex"] == clean_worker[rank]["hex"], rank
+
+
 def test_a_second_death_while_healing_falls_back_to_a_full_restart(
     tmp_path: Path, clean_worker: Any
 ) -> None:
