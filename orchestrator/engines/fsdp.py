@@ -21,7 +21,6 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from orchestrator.engines.base import Engine
 from orchestrator.engines.inplace import Copier, copy_optimizer
 from orchestrator.engines.torch_native import TorchEngine
 from orchestrator.errors import UsageError
@@ -72,7 +71,14 @@ class FSDP2Engine(TorchEngine):
     )
 
     def rebind_unsupported(self) -> str | None:
-        return Engine.rebind_unsupported(self)  # not rebound yet: a full restart
+        from orchestrator.engines.rebind_fsdp import fsdp2_unsupported
+
+        return fsdp2_unsupported(self.model, self.optimizer)
+
+    def rebind(self) -> None:
+        from orchestrator.engines.rebind_fsdp import rebind_fsdp2
+
+        rebind_fsdp2(self.model, self.optimizer)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -238,7 +244,9 @@ class FSDP1Engine(TorchEngine):
     rank_local_keys = FSDP2Engine.rank_local_keys
 
     def rebind_unsupported(self) -> str | None:
-        return Engine.rebind_unsupported(self)  # not rebound yet: a full restart
+        # Each FSDP unit keeps its own process group, handle and execution-order state; not
+        # rebound: a full restart (fully_shard, FSDP2, recovers in place).
+        return "FSDP1 (FullyShardedDataParallel) is not rebound in place; FSDP2 (fully_shard) is"
 
     def can_rerun_fp32(self, autocast: bool = False) -> bool:
         return False
