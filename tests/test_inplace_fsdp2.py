@@ -146,6 +146,24 @@ def test_a_second_death_while_healing_falls_back_to_a_full_restart(
     assert_same_state(clean, d)
 
 
+def test_no_source_for_the_shard_falls_back_to_a_full_restart(tmp_path: Path, clean: Path) -> None:
+    """The ring in private memory (no shared-memory slot survives rank 1) and the durable
+    snapshot of step 20 torn: no step the survivor holds can be loaded by the replacement,
+    and a survivor's ring slot holds another shard, so there is no in-place heal (DDP takes
+    the peer's copy here: test_inplace). The agent restarts every rank from step 10."""
+    faults = [*CRASH["faults"], {"kind": "truncate_snapshot", "step": 20}]
+    policy = {**POLICY, "faults": faults}
+    policy["snapshot"] = {**POLICY["snapshot"], "shared_memory": False}
+    d = launch(tmp_path, policy)
+    assert kinds(d, "inplace_recovery") == [] and kinds(d, "rank_replaced") == []
+    (failed,) = kinds(d, "inplace_failed")
+    assert failed["details"]["generation"] == 1, failed
+    (restart,) = kinds(d, "restart")
+    assert restart["attempt"] == 0
+    assert [e["step"] for e in kinds(d, "resume")] == [10]
+    assert_same_state(clean, d)
+
+
 REBIND_CHECK = """
 import os, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
