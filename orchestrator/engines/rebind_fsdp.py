@@ -32,11 +32,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     DefaultAllGather,
     DefaultReduceScatter,
 )
-from torch.distributed.fsdp._fully_shard._fsdp_common import (
-    FSDPMeshInfo,
-    HSDPMeshInfo,
-    TrainingState,
-)
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, TrainingState
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -88,7 +84,7 @@ def fsdp2_unsupported(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     for info in _mesh_infos(model):
         if info is None:
             continue
-        if type(info) is not FSDPMeshInfo or isinstance(info, HSDPMeshInfo) or info.is_spmd_mesh:
+        if type(info) is not FSDPMeshInfo or info.is_spmd_mesh:  # HSDP, DDP-like, SPMD
             return f"FSDP2 with {type(info).__name__} (not plain sharding): not rebound"
         if info.reduce_scatter_process_group is not None:
             return "FSDP2 with a separate reduce-scatter group: not rebound"
@@ -98,9 +94,13 @@ def fsdp2_unsupported(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
         ):
             return "FSDP2 with a custom all-gather or reduce-scatter (holds the group): not rebound"
         if group._training_state is not TrainingState.IDLE or not group.is_sharded:
-            # The collective broke inside a forward or backward: FSDP2's per-iteration state
-            # (unsharded parameters, queued callbacks, buffers in flight) is not undone here.
-            return "FSDP2 failed in the middle of a forward or backward: not rebuilt in place"
+            # The collective broke inside a forward or backward (or the parameters stay
+            # gathered after it): FSDP2's per-iteration state (unsharded parameters, queued
+            # callbacks, buffers in flight) is not undone here.
+            return (
+                "FSDP2 was mid forward/backward or holds gathered parameters when the "
+                "collective broke: not rebuilt in place"
+            )
     return None
 
 
