@@ -95,18 +95,25 @@ def test_sigkill_of_rank1_under_the_agent_heals_its_shard_in_place(
     assert_same_state(clean, d)
 
 
-def test_lost_shm_slot_heals_the_shard_from_the_durable_part(tmp_path: Path, clean: Path) -> None:
-    """Rank 1's shared-memory slots are gone with it: its replacement loads its own rank's
-    durable part of step 20 (a survivor's ring slot holds another shard: no source)."""
+def test_lost_shm_slot_heals_the_shard_from_its_own_durable_part(
+    tmp_path: Path, clean: Path
+) -> None:
+    """Rank 1's shared-memory slots are gone with it, and rank 0's durable part of step 20
+    is torn: its replacement loads its own rank's part of step 20, which is all a sharded
+    rank reads (a survivor's ring slot holds another shard: no source)."""
     d, shm = tmp_path / "run", tmp_path / "shm"
     lost: list[str] = []
 
-    def lose_rank1_slots() -> None:
+    def lose_rank1_slots_tear_rank0_part() -> None:
         for f in shm.glob("slot*/rank1*"):
             lost.append(f.name)
             f.unlink()
+        (part,) = (d / "snapshots" / "step_000000020" / "rank_0").glob("*.distcp")
+        raw = bytearray(part.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        part.write_bytes(bytes(raw))
 
-    parent = fsdp2_parent(d, {**POLICY, **CRASH}, on_death=lose_rank1_slots)
+    parent = fsdp2_parent(d, {**POLICY, **CRASH}, on_death=lose_rank1_slots_tear_rank0_part)
     parent.env[ENV_SHM_DIR] = str(shm)
     codes, pid0 = parent.run()
     assert codes == {0: 0, 1: 0}, parent.tail()
@@ -148,14 +155,14 @@ def test_a_second_death_while_healing_falls_back_to_a_full_restart(
 
 
 def test_no_source_for_the_shard_falls_back_to_a_full_restart(tmp_path: Path, clean: Path) -> None:
-    """The ring in private memory (no shared-memory slot survives rank 1) and the durable
-    snapshot of step 20 torn: no step the survivor holds can be loaded by the replacement,
-    and a survivor's ring slot holds another shard, so there is no in-place heal (DDP takes
-    the peer's copy here: test_inplace). The agent restarts every rank from step 10."""
-    faults = [*CRASH["faults"], {"kind": "truncate_snapshot", "step": 20}]
-    policy = {**POLICY, "faults": faults}
-    policy["snapshot"] = {**POLICY["snapshot"], "shared_memory": False}
-    d = launch(tmp_path, policy)
+    """Rank 1 dies while writing its durable part of step 20, the ring in private memory
+    (no shared-memory slot survives it) and 2 slots long: the survivor holds steps 15 and
+    20, the replacement's part of neither, and a survivor's slot holds another shard, so
+    there is no in-place heal (DDP takes the peer's copy there). The agent restarts every
+    rank from step 10."""
+    kill = {"kind": "kill_persist", "phase": "part", "step": 20, "rank": 1}
+    snapshot = {**POLICY["snapshot"], "keep": 2, "shared_memory": False}
+    d = launch(tmp_path, {**POLICY, "snapshot": snapshot, "faults": [kill]})
     assert kinds(d, "inplace_recovery") == [] and kinds(d, "rank_replaced") == []
     (failed,) = kinds(d, "inplace_failed")
     assert failed["details"]["generation"] == 1, failed
