@@ -33,6 +33,7 @@ pytestmark = pytest.mark.timeout(300)
 
 FSDP = ["--fsdp", *STEPS]
 DIES_HEALING = Path(__file__).parent / "dies_healing.py"
+OWN_GROUP = Path(__file__).parent / "mesh_own_group.py"
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,21 @@ def test_sigkill_of_rank1_under_the_agent_heals_its_shard_in_place(
     assert t["fault"] <= t["reform"] <= t["heal"] <= t["first_step"], t
     assert [e["rank"] for e in kinds(d, "run_start")].count(0) == 1  # rank 0: one process
     assert kinds(d, "restart") == [] and len(kinds(d, "attempt_end")) == 1
+    assert_same_state(clean, d)
+
+
+def test_meshes_with_groups_of_their_own_are_formed_again_as_the_replacement_forms_them(
+    tmp_path: Path, clean: Path
+) -> None:
+    """Each fully_shard's default mesh with a group of its own over the world (CUDA under
+    gloo does that; tests/mesh_own_group.py on the CPU): the replacement's constructors
+    form 3 groups, the survivor forms its 3 again in the same order; in place, bit for
+    bit."""
+    d = launch(tmp_path, {**POLICY, **CRASH}, str(OWN_GROUP))
+    (rec,) = kinds(d, "inplace_recovery")
+    assert rec["step"] == 25 and rec["details"]["sources"]["1"]["source"] == "shm", rec
+    assert [e["rank"] for e in kinds(d, "run_start")].count(0) == 1
+    assert kinds(d, "restart") == [] and kinds(d, "inplace_failed") == []
     assert_same_state(clean, d)
 
 
@@ -173,60 +189,71 @@ def test_no_source_for_the_shard_falls_back_to_a_full_restart(tmp_path: Path, cl
 
 
 REBIND_CHECK = """
-import os, sys, torch, torch.distributed as dist
+import sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from orchestrator.engines.rebind_fsdp import _mesh_infos, fsdp2_unsupported, rebind_fsdp2
+from orchestrator.engines.rebind_fsdp import (
+    _mesh_infos, fsdp2_unsupported, own_groups, rebind_fsdp2)
 
 def world(port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
-def on_world(model):
+def groups(model):  # the groups FSDP2 issues collectives on, and its mesh's
     infos = [i for i in _mesh_infos(model) if i is not None]
-    return all(i.shard_process_group is dist.group.WORLD is i.mesh.get_group() for i in infos)
+    return {pg for i in infos for pg in (i.shard_process_group, i.mesh.get_group())}
 
 def step(model, opt):
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
     opt.zero_grad()
 
+def sharded(mesh=None):
+    model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)),
+                        mesh=mesh)
+    opt = torch.optim.Adam(model.parameters())
+    step(model, opt)
+    return model, opt
+
 world(sys.argv[1])
 torch.manual_seed(0)
-model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
-opt = torch.optim.Adam(model.parameters())
-step(model, opt)
-print("plain:", fsdp2_unsupported(model, opt))
+model, opt = sharded()
+# a group of its own over the world (new_group), as init_device_mesh makes on CUDA under gloo
+other, other_opt = sharded(init_device_mesh("cpu", (1,), backend_override={0: "gloo"}))
+print("refused:", [fsdp2_unsupported(m, o) for m, o in ((model, opt), (other, other_opt))])
+own = [own_groups(model, opt), own_groups(other, other_opt)]
+print("own:", own)
 dist.destroy_process_group()
-world(sys.argv[2])  # the re-formed world: the same rank and size, a new group object
-print("before:", on_world(model))
-rebind_fsdp2(model, opt)
-print("after:", on_world(model))
-step(model, opt)  # FSDP2's all-gather and reduce-scatter on the new group
+world(sys.argv[2])  # the re-formed world: the same rank and size, new group objects
+print("before:", groups(model) == {dist.group.WORLD})
+rebind_fsdp2(model, opt, own[0])
+rebind_fsdp2(other, other_opt, own[1])
+print("after:", groups(model) == {dist.group.WORLD})
+(formed,) = groups(other)
+print("formed:", formed is not dist.group.WORLD and formed.group_name == own[1][0])
+step(model, opt)  # FSDP2's all-gather and reduce-scatter on the new groups
+step(other, other_opt)
 print("rebound:", fsdp2_unsupported(model, opt))
 mesh2 = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
 hsdp = fully_shard(torch.nn.Linear(4, 4), mesh=mesh2)
 print("hsdp:", fsdp2_unsupported(hsdp, torch.optim.Adam(hsdp.parameters())))
-own = init_device_mesh("cpu", (1,))
-# a group of its own over the world, as init_device_mesh makes on a CUDA host under gloo
-own._dim_group_names = [dist.new_group([0]).group_name]
-other = fully_shard(torch.nn.Linear(4, 4), mesh=own)
-print("own group:", fsdp2_unsupported(other, torch.optim.Adam(other.parameters())))
 loss = model(torch.ones(2, 4)).sum()  # a forward whose backward never came: gathered root
 print("mid step:", fsdp2_unsupported(model, opt))
 """
 
 
-def test_rebind_points_fsdp2_at_the_new_world_and_refuses_what_it_cannot() -> None:
-    """In one process: once rebound, every shard group FSDP2 holds is the re-formed world
-    group, and a step runs on it (with 2 ranks a step on the old one fails: the survivor
-    dies and the agent restarts everyone); a 2-D (HSDP) mesh, a mesh over a group of its
-    own and a step left in the middle are refused with their reason."""
+def test_rebind_points_fsdp2_at_the_new_groups_and_refuses_what_it_cannot() -> None:
+    """In one process: once rebound, every group FSDP2 holds is the re-formed world group,
+    or for a mesh that had a group of its own a new one formed in its place (named as the
+    replacement's constructors name it), and a step runs on them (with 2 ranks a step on
+    the old ones fails: the survivor dies and the agent restarts everyone); a 2-D (HSDP)
+    mesh and a step left in the middle are refused with their reason."""
     r = subprocess.run(
         [sys.executable, "-c", REBIND_CHECK, str(free_port()), str(free_port())],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     out = dict(line.split(": ", 1) for line in r.stdout.splitlines())
-    assert out["plain"] == "None" and out["rebound"] == "None", out
-    assert (out["before"], out["after"]) == ("False", "True"), out
-    assert "None" not in (out["hsdp"], out["own group"], out["mid step"]), out
+    assert out["refused"] == "[None, None]" and out["own"] == "[[], ['1']]", out
+    assert (out["before"], out["after"], out["formed"]) == ("False", "True", "True"), out
+    assert out["rebound"] == "None", out
+    assert "None" not in (out["hsdp"], out["mid step"]), out
