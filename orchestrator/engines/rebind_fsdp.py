@@ -161,8 +161,8 @@ def rebind_fsdp2(model: torch.nn.Module, optimizer: torch.optim.Optimizer, own: 
     for info in _mesh_infos(model):
         if info is not None:
             info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
-    for group in _groups(model):
+    for param_group in _groups(model):
         # Nothing of the broken step is in flight (checked above); drop what the last
         # iteration kept for overlap, as a fresh FSDPParamGroup starts without it.
-        group.comm_ctx.all_gather_state = None
-        group._all_gather_result = None
+        param_group.comm_ctx.all_gather_state = None
+        param_group._all_gather_result = None
