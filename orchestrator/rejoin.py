@@ -203,8 +203,8 @@ class Rejoin:
         except Exception as err:  # unreadable storage: no durable source
             logger.warning("rank %d: durable tier unreadable: %r", g.comm.global_rank, err)
             return found
-        # Sharded state (FSDP2): the rank loads its own part alone (durable_resume's _load),
-        # so rank 0's part, torn or not, does not decide whether the step is a source here.
+        # Sharded state (FSDP2, ZeRO): the rank loads its own part alone (durable_resume's
+        # _load), so rank 0's part, torn or not, does not decide whether the step is a source.
         parts = sorted({0, g.comm.rank}) if g.engine.state_replicated else [g.comm.rank]
         for step, manifest in listed:
             try:
