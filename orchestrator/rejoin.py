@@ -203,7 +203,8 @@ class Rejoin:
 
     def _durable_steps(self) -> dict[int, dict[str, Any]]:
         """The newest committed durable snapshots whose files this rank loads from (its
-        part and the shared one, sizes and checksums checked), with their manifests."""
+        part, and the shared one where the state is replicated; sizes and checksums
+        checked), with their manifests."""
         g = self.guard
         found: dict[int, dict[str, Any]] = {}
         try:
@@ -216,9 +217,12 @@ class Rejoin:
         except Exception as err:  # unreadable storage: no durable source
             logger.warning("rank %d: durable tier unreadable: %r", g.comm.global_rank, err)
             return found
+        # Sharded state (FSDP2, ZeRO): the rank loads its own part alone (durable_resume's
+        # _load), so rank 0's part, torn or not, does not decide whether the step is a source.
+        parts = sorted({0, g.comm.rank}) if g.engine.state_replicated else [g.comm.rank]
         for step, manifest in listed:
             try:
-                g.durable.store.validate_files(step, manifest, sorted({0, g.comm.rank}))
+                g.durable.store.validate_files(step, manifest, parts)
                 found[step] = manifest
             except Exception as err:  # a part lost or torn: that step is no source here
                 logger.warning("rank %d: durable step %d: %r", g.comm.global_rank, step, err)

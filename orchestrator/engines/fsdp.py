@@ -21,7 +21,6 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from orchestrator.engines.base import Engine
 from orchestrator.engines.inplace import Copier, copy_optimizer
 from orchestrator.engines.torch_native import TorchEngine
 from orchestrator.errors import UsageError
@@ -66,16 +65,32 @@ class FSDP2Engine(TorchEngine):
     # Synced gradients mix the ranks, so re-runs are judged by the local loss alone.
     _rerun_grads_local = False
     can_reshard = True
+    #: The old names of the meshes' groups of their own (rebind_unsupported's, for rebind).
+    _own_groups: list[str]
     #: Every part of the state is this rank's own: each rank persists all of it.
     rank_local_keys = frozenset(
         {"model", "optim", "sched", "scaler", "rng", "guard", "layout", "data", USER_KEY}
     )
 
     def rebind_unsupported(self) -> str | None:
-        return Engine.rebind_unsupported(self)  # not rebound yet: a full restart
+        try:
+            from orchestrator.engines.rebind_fsdp import fsdp2_unsupported, own_groups
+        except ImportError as err:  # another torch release's FSDP2 internals
+            return f"FSDP2 is not rebound in place under torch {torch.__version__}: {err}"
+        why = fsdp2_unsupported(self.model, self.optimizer)
+        # Asked right before the old group is destroyed: which meshes had a group of their
+        # own is known only now (rebind_fsdp's docstring).
+        self._own_groups = own_groups(self.model, self.optimizer) if why is None else []
+        return why
+
+    def rebind(self) -> None:
+        from orchestrator.engines.rebind_fsdp import rebind_fsdp2
+
+        rebind_fsdp2(self.model, self.optimizer, self._own_groups)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._own_groups = []
         # The shard layout is fixed by the model's sharding: computed (and checked) once at
         # start, saved with every snapshot as plain values so a durable snapshot can be
         # resharded to another world size. Optimizer state shards like its parameter.
@@ -238,7 +253,9 @@ class FSDP1Engine(TorchEngine):
     rank_local_keys = FSDP2Engine.rank_local_keys
 
     def rebind_unsupported(self) -> str | None:
-        return Engine.rebind_unsupported(self)  # not rebound yet: a full restart
+        # Each FSDP unit keeps its own process group, handle and execution-order state; not
+        # rebound: a full restart (fully_shard, FSDP2, recovers in place).
+        return "FSDP1 (FullyShardedDataParallel) is not rebound in place; FSDP2 (fully_shard) is"
 
     def can_rerun_fp32(self, autocast: bool = False) -> bool:
         return False
