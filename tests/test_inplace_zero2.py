@@ -1,0 +1,109 @@
+"""Issue 33 with DeepSpeed ZeRO-2 (the real library, CPU, gloo): under `orchestrator launch
+--nproc-per-node 2` rank 1 is SIGKILLed at step 27 and replaced alone; rank 0 keeps its
+process, rebinds DeepSpeed to the re-formed world (orchestrator/engines/
+rebind_deepspeed.py) and rolls back to its ring slot; the replacement heals from its own
+partition (ZeRO-2's optimizer state is partitioned: a survivor's copy is no source). The
+final state (fp32 master weights, ZeRO partitions, bit16 module) is bit for bit that of an
+uninterrupted run, on every rank."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from conftest import DS_EXAMPLE, REPO, assert_bitwise_equal, final_states, kinds, run, train
+
+pytest.importorskip("deepspeed", reason="pip install -e '.[dev]' installs it")
+
+pytestmark = pytest.mark.timeout(300)
+
+WORKER = REPO / "tests" / "zero2_worker.py"
+ARGS = ["--zero-stage", "2", "--steps", "40"]
+POLICY: dict[str, Any] = {
+    "adjust": {"lr_factor": 1.0},
+    "quarantine": {"enabled": False},
+    "snapshot": {"every_steps": 5, "keep": 3},
+    "persist": {"every_steps": 10},
+}
+CRASH = {"faults": [{"kind": "crash", "step": 27, "rank": 1}], "supervisor": {"backoff_s": 0.2}}
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("zero2-clean") / "run"
+    r = train(d, 2, *ARGS, policy=POLICY, script=DS_EXAMPLE)
+    assert r.returncode == 0, r.stdout[-3000:]
+    return d
+
+
+def launch(tmp_path: Path, *worker_args: str) -> Path:
+    """The worker under the node agent, rank 1 crashing at step 27; its run directory."""
+    d = tmp_path / "run"
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump({**POLICY, **CRASH}))
+    cmd = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
+           "--run-dir", str(d), "--nproc-per-node", "2", str(WORKER), *worker_args, *ARGS,
+           "--save-final", str(d / "final")]  # fmt: skip
+    r = run(cmd, timeout=240)
+    if r.returncode != 0:
+        (tmp_path / "output.log").write_text(r.stdout)
+    assert r.returncode == 0, r.stdout[-4000:]
+    return d
+
+
+def pids(d: Path) -> dict[str, int]:
+    return {f.stem: json.loads(f.read_text())["pid"] for f in (d / "pids").glob("*.json")}
+
+
+def assert_in_place(d: Path, clean: Path, source: str) -> dict[str, Any]:
+    """Rank 1 replaced alone, rank 0 in its first process, one attempt, bit for bit."""
+    (rep,) = kinds(d, "rank_replaced")
+    assert (rep["details"]["rank"], rep["details"]["cause"]) == (1, "signal")
+    (rec,) = kinds(d, "inplace_recovery")
+    det = rec["details"]
+    assert det["replaced"] == [1] and det["generation"] == 1, rec
+    assert det["sources"]["0"]["source"] == "ring", rec
+    assert det["sources"]["1"]["source"] == source, rec
+    t = det["times"]
+    assert t["fault"] <= t["reform"] <= t["heal"] <= t["first_step"], t
+    p = pids(d)
+    # rank 0: one process from start to end; rank 1: a second one, started in generation 1
+    assert p["rank0-attempt0-gen0-start"] == p["rank0-attempt0-gen0-end"], p
+    assert "rank0-attempt0-gen1-start" not in p and "rank1-attempt0-gen0-end" not in p, p
+    assert p["rank1-attempt0-gen1-start"] == p["rank1-attempt0-gen1-end"], p
+    assert [e["rank"] for e in kinds(d, "run_start")].count(0) == 1
+    assert kinds(d, "restart") == [] and len(kinds(d, "attempt_end")) == 1
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+    return rec
+
+
+def test_zero2_rank1_replaced_alone_heals_from_its_shm_slot(tmp_path: Path, clean: Path) -> None:
+    """The replacement's first source: its own shared-memory slot of step 25 (its
+    partition of the optimizer state, its RNG and data position)."""
+    rec = assert_in_place(launch(tmp_path), clean, "shm")
+    assert rec["step"] == 25, rec
+
+
+def test_zero2_lost_shm_slot_heals_from_the_durable_part(tmp_path: Path, clean: Path) -> None:
+    """Rank 1's shared-memory slots are gone: its replacement loads its rank's part of the
+    durable snapshot of step 20 instead (the survivors' ring holds it too)."""
+    rec = assert_in_place(launch(tmp_path, "--lose-shm"), clean, "durable")
+    assert rec["step"] == 20, rec
+
+
+def test_zero2_second_death_during_heal_falls_back_bit_for_bit(tmp_path: Path, clean: Path) -> None:
+    """The replacement dies again while the survivor mirrors its deepspeed.initialize: no
+    in-place recovery; the agent falls back to a full restart, which resumes bit for bit."""
+    d = launch(tmp_path, "--die-in-heal")
+    assert not kinds(d, "inplace_recovery")
+    assert len(kinds(d, "restart")) == 1 and len(kinds(d, "attempt_end")) == 2
+    p = pids(d)
+    assert p["rank0-attempt0-gen0-start"] != p["rank0-attempt1-gen0-start"], p
+    for a, b in zip(final_states(clean), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
