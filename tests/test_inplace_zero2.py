@@ -98,8 +98,9 @@ def test_zero2_lost_shm_slot_heals_from_the_durable_part(tmp_path: Path, clean: 
 
 
 def test_zero2_second_death_during_heal_falls_back_bit_for_bit(tmp_path: Path, clean: Path) -> None:
-    """The replacement dies again while the survivor mirrors its deepspeed.initialize: no
-    in-place recovery; the agent falls back to a full restart, which resumes bit for bit."""
+    """The replacement dies again as it joins the agreement (the survivor rebound DeepSpeed
+    and waits in it): no in-place recovery; the agent falls back to a full restart, which
+    resumes bit for bit."""
     d = launch(tmp_path, "--die-in-heal")
     assert not kinds(d, "inplace_recovery")
     assert len(kinds(d, "restart")) == 1 and len(kinds(d, "attempt_end")) == 2

@@ -8,8 +8,9 @@ process.
 
 ``--lose-shm``: a replacement (generation > 0) deletes its rank's shared-memory slots
 before it starts, as if the node's memory of the dead process were gone.
-``--die-in-heal``: in attempt 0 the replacement SIGKILLs itself right after
-``deepspeed.initialize``, while the survivor mirrors it: a second death during healing.
+``--die-in-heal``: in attempt 0 the replacement SIGKILLs itself when its Guard joins the
+survivor's agreement (it ran ``deepspeed.initialize``, which the survivor mirrored): a
+second death during healing.
 """
 
 from __future__ import annotations
@@ -20,15 +21,14 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-import train_gpt_deepspeed as example  # noqa: E402
+import train_gpt_deepspeed as example
 
-from orchestrator import exit_process  # noqa: E402
-from orchestrator.inplace_protocol import ENV_GENERATION  # noqa: E402
-from orchestrator.protocol import ENV_SHM_DIR  # noqa: E402
+from orchestrator import exit_process
+from orchestrator.inplace_protocol import ENV_GENERATION
+from orchestrator.protocol import ENV_SHM_DIR
 
 
 def note_pid(when: str) -> None:
@@ -40,17 +40,14 @@ def note_pid(when: str) -> None:
     (d / name).write_text(json.dumps({"pid": os.getpid()}))
 
 
-def die_after_initialize() -> None:
-    import deepspeed
+def die_in_join() -> None:
+    from orchestrator.rejoin import Rejoin
 
-    real = deepspeed.initialize
-
-    def initialize(*args: Any, **kwargs: Any) -> Any:
-        out = real(*args, **kwargs)
+    def join(self: Rejoin) -> int:
         os.kill(os.getpid(), signal.SIGKILL)
-        return out
+        raise AssertionError("unreachable")
 
-    deepspeed.initialize = initialize
+    Rejoin.join = join  # type: ignore[method-assign]
 
 
 def main() -> int:
@@ -64,7 +61,7 @@ def main() -> int:
         for f in Path(os.environ[ENV_SHM_DIR]).glob(f"slot*/rank{os.environ['RANK']}*"):
             f.unlink()
     if replacement and ours.die_in_heal and os.environ.get("ORCHESTRATOR_ATTEMPT") == "0":
-        die_after_initialize()
+        die_in_join()
     code = example.main(rest)
     note_pid("end")
     return code
