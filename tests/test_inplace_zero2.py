@@ -23,7 +23,7 @@ pytest.importorskip("deepspeed", reason="pip install -e '.[dev]' installs it")
 pytestmark = pytest.mark.timeout(300)
 
 WORKER = REPO / "tests" / "zero2_worker.py"
-ARGS = ["--zero-stage", "2", "--steps", "40"]
+ARGS = ["--steps", "40"]
 POLICY: dict[str, Any] = {
     "adjust": {"lr_factor": 1.0},
     "quarantine": {"enabled": False},
@@ -33,21 +33,35 @@ POLICY: dict[str, Any] = {
 CRASH = {"faults": [{"kind": "crash", "step": 27, "rank": 1}], "supervisor": {"backoff_s": 0.2}}
 
 
+class CleanRuns(dict[int, Path]):
+    """Fault-free runs by ZeRO stage, each made the first time a test needs it."""
+
+    def __init__(self, base: Path) -> None:
+        super().__init__()
+        self.base = base
+
+    def __missing__(self, stage: int) -> Path:
+        d = self.base / f"zero{stage}" / "run"
+        r = train(d, 2, "--zero-stage", str(stage), *ARGS, policy=POLICY, script=DS_EXAMPLE)
+        assert r.returncode == 0, r.stdout[-3000:]
+        self[stage] = d
+        return d
+
+
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("zero2-clean") / "run"
-    r = train(d, 2, *ARGS, policy=POLICY, script=DS_EXAMPLE)
-    assert r.returncode == 0, r.stdout[-3000:]
-    return d
+def clean(tmp_path_factory: pytest.TempPathFactory) -> CleanRuns:
+    return CleanRuns(tmp_path_factory.mktemp("zero-clean"))
 
 
-def launch(tmp_path: Path, *worker_args: str) -> Path:
-    """The worker under the node agent, rank 1 crashing at step 27; its run directory."""
+def launch(tmp_path: Path, *worker_args: str, stage: int = 2) -> Path:
+    """The worker under the node agent at ZeRO ``stage``, rank 1 crashing at step 27; its
+    run directory."""
     d = tmp_path / "run"
     path = tmp_path / "policy.yaml"
     path.write_text(yaml.safe_dump({**POLICY, **CRASH}))
     cmd = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
-           "--run-dir", str(d), "--nproc-per-node", "2", str(WORKER), *worker_args, *ARGS,
+           "--run-dir", str(d), "--nproc-per-node", "2", str(WORKER), *worker_args,
+           "--zero-stage", str(stage), *ARGS,
            "--save-final", str(d / "final")]  # fmt: skip
     r = run(cmd, timeout=240)
     if r.returncode != 0:
@@ -83,21 +97,25 @@ def assert_in_place(d: Path, clean: Path, source: str) -> dict[str, Any]:
     return rec
 
 
-def test_zero2_rank1_replaced_alone_heals_from_its_shm_slot(tmp_path: Path, clean: Path) -> None:
+def test_zero2_rank1_replaced_alone_heals_from_its_shm_slot(
+    tmp_path: Path, clean: CleanRuns
+) -> None:
     """The replacement's first source: its own shared-memory slot of step 25 (its
     partition of the optimizer state, its RNG and data position)."""
-    rec = assert_in_place(launch(tmp_path), clean, "shm")
+    rec = assert_in_place(launch(tmp_path), clean[2], "shm")
     assert rec["step"] == 25, rec
 
 
-def test_zero2_lost_shm_slot_heals_from_the_durable_part(tmp_path: Path, clean: Path) -> None:
+def test_zero2_lost_shm_slot_heals_from_the_durable_part(tmp_path: Path, clean: CleanRuns) -> None:
     """Rank 1's shared-memory slots are gone: its replacement loads its rank's part of the
     durable snapshot of step 20 instead (the survivors' ring holds it too)."""
-    rec = assert_in_place(launch(tmp_path, "--lose-shm"), clean, "durable")
+    rec = assert_in_place(launch(tmp_path, "--lose-shm"), clean[2], "durable")
     assert rec["step"] == 20, rec
 
 
-def test_zero2_second_death_during_heal_falls_back_bit_for_bit(tmp_path: Path, clean: Path) -> None:
+def test_zero2_second_death_during_heal_falls_back_bit_for_bit(
+    tmp_path: Path, clean: CleanRuns
+) -> None:
     """The replacement dies again as it joins the agreement (the survivor rebound DeepSpeed
     and waits in it): no in-place recovery; the agent falls back to a full restart, which
     resumes bit for bit."""
@@ -106,5 +124,23 @@ def test_zero2_second_death_during_heal_falls_back_bit_for_bit(tmp_path: Path, c
     assert len(kinds(d, "restart")) == 1 and len(kinds(d, "attempt_end")) == 2
     p = pids(d)
     assert p["rank0-attempt0-gen0-start"] != p["rank0-attempt1-gen0-start"], p
-    for a, b in zip(final_states(clean), final_states(d), strict=True):
+    for a, b in zip(final_states(clean[2]), final_states(d), strict=True):
+        assert_bitwise_equal(a, b, "final")
+
+
+@pytest.mark.matrix
+def test_zero1_rank1_replaced_alone_bit_for_bit(tmp_path: Path, clean: CleanRuns) -> None:
+    """ZeRO-1 is the same optimizer class as ZeRO-2: it recovers in place alike."""
+    rec = assert_in_place(launch(tmp_path, stage=1), clean[1], "shm")
+    assert rec["step"] == 25, rec
+
+
+@pytest.mark.matrix
+def test_zero3_falls_back_to_a_full_restart_bit_for_bit(tmp_path: Path, clean: CleanRuns) -> None:
+    """ZeRO-3 is refused in place (rebind_deepspeed.deepspeed_unsupported): the survivor
+    raises the collective's error, the agent falls back, the restart resumes bit for bit."""
+    d = launch(tmp_path, stage=3)
+    assert not kinds(d, "inplace_recovery") and len(kinds(d, "inplace_failed")) == 1
+    assert len(kinds(d, "restart")) == 1
+    for a, b in zip(final_states(clean[3]), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
