@@ -53,6 +53,21 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> CleanRuns:
     return CleanRuns(tmp_path_factory.mktemp("zero-clean"))
 
 
+def test_rebind_internals_exist_in_this_deepspeed() -> None:
+    """A DeepSpeed upgrade that drops what the rebind uses fails here, by name (a run falls
+    back to the full restart, with the same names in the survivor's log)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.utils import groups
+
+    from orchestrator.engines.rebind_deepspeed import GROUPS_REBIND_ATTRS
+
+    methods = ["_clear_previous_reduced_grads", "_release_ipg_buffers", "zero_grad",
+               "reset_partition_gradient_structures"]  # fmt: skip
+    missing = [m for m in methods if not callable(getattr(DeepSpeedZeroOptimizer, m, None))]
+    missing += [f"groups.{n}" for n in GROUPS_REBIND_ATTRS if not hasattr(groups, n)]
+    assert not missing, f"update orchestrator/engines/rebind_deepspeed.py: {missing}"
+
+
 def launch(tmp_path: Path, *worker_args: str, stage: int = 2) -> Path:
     """The worker under the node agent at ZeRO ``stage``, rank 1 crashing at step 27; its
     run directory."""

@@ -41,13 +41,39 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+#: DeepSpeed internals the rebind uses beyond orchestrator/engines/deepspeed.py's tables: on
+#: the ZeRO-1/2 optimizer (checked before a recovery, so an upgrade that renames one falls
+#: back with its name) and in deepspeed.utils.groups (tests/test_inplace_zero2.py).
+ZERO12_REBIND_ATTRS = (
+    "ipg_buckets",
+    "extra_large_param_to_reduce",
+    "params_already_reduced",
+    "averaged_gradients",
+    "all_grad_tensors",
+    "micro_step_id",
+    "real_dp_process_group",
+    "bit16_groups",
+    "_clear_previous_reduced_grads",
+    "_release_ipg_buffers",
+    "reset_partition_gradient_structures",
+)
+GROUPS_REBIND_ATTRS = ("_WORLD_GROUP", "_clone_world_group", "_get_broadcast_src_rank")
+
 
 def deepspeed_unsupported(ds: Any, stage3: bool) -> str | None:
     """Why a survivor's DeepSpeed engine cannot follow the re-formed world (None: it can)."""
+    import deepspeed
     from deepspeed.runtime.pipe.engine import PipelineEngine
     from deepspeed.utils import groups
 
     opt = ds.optimizer
+    missing = [n for n in ZERO12_REBIND_ATTRS if not stage3 and not hasattr(opt, n)]
+    missing += [f"groups.{n}" for n in GROUPS_REBIND_ATTRS if not hasattr(groups, n)]
+    if missing:
+        return (
+            f"DeepSpeed {deepspeed.__version__} lacks {missing}, which "
+            "orchestrator/engines/rebind_deepspeed.py needs: update it"
+        )
     if stage3:
         return (
             "DeepSpeed ZeRO-3: its parameter partitions, prefetch coordinator and hooks hold "
