@@ -30,7 +30,7 @@ POLICY: dict[str, Any] = {
     "snapshot": {"every_steps": 5, "keep": 3},
     "persist": {"every_steps": 10},
 }
-CRASH = {"faults": [{"kind": "crash", "step": 27, "rank": 1}], "supervisor": {"backoff_s": 0.2}}
+CRASH = {"faults": [{"kind": "crash", "step": 27, "rank": 1}]}
 
 
 class CleanRuns(dict[int, Path]):
@@ -68,12 +68,13 @@ def test_rebind_internals_exist_in_this_deepspeed() -> None:
     assert not missing, f"update orchestrator/engines/rebind_deepspeed.py: {missing}"
 
 
-def launch(tmp_path: Path, *worker_args: str, stage: int = 2) -> Path:
-    """The worker under the node agent at ZeRO ``stage``, rank 1 crashing at step 27; its
-    run directory."""
+def launch(tmp_path: Path, *worker_args: str, stage: int = 2, crash: bool = True) -> Path:
+    """The worker under the node agent at ZeRO ``stage``, rank 1 crashing at step 27 (the
+    policy's fault, unless ``crash`` is False); its run directory."""
     d = tmp_path / "run"
     path = tmp_path / "policy.yaml"
-    path.write_text(yaml.safe_dump({**POLICY, **CRASH}))
+    policy = {**POLICY, **(CRASH if crash else {}), "supervisor": {"backoff_s": 0.2}}
+    path.write_text(yaml.safe_dump(policy))
     cmd = [sys.executable, "-m", "launch.cli", "launch", "--policy", str(path),
            "--run-dir", str(d), "--nproc-per-node", "2", str(WORKER), *worker_args,
            "--zero-stage", str(stage), *ARGS,
@@ -141,6 +142,18 @@ def test_zero2_second_death_during_heal_falls_back_bit_for_bit(
     assert p["rank0-attempt0-gen0-start"] != p["rank0-attempt1-gen0-start"], p
     for a, b in zip(final_states(clean[2]), final_states(d), strict=True):
         assert_bitwise_equal(a, b, "final")
+
+
+@pytest.mark.matrix
+def test_zero2_death_inside_deepspeeds_step_heals_bit_for_bit(
+    tmp_path: Path, clean: CleanRuns
+) -> None:
+    """Rank 1 dies inside engine.step() of step 27, after its torch optimizer stepped: the
+    survivor's error comes from DeepSpeed's weight all-gather, its own partition already
+    updated; the rollback to its ring slot undoes that, bit for bit."""
+    d = launch(tmp_path, "--die-in-step", "27", crash=False)
+    rec = assert_in_place(d, clean[2], "shm")
+    assert rec["step"] == 25, rec
 
 
 @pytest.mark.matrix

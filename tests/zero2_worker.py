@@ -11,6 +11,9 @@ before it starts, as if the node's memory of the dead process were gone.
 ``--die-in-heal``: in attempt 0 the replacement SIGKILLs itself when its Guard joins the
 survivor's agreement (it ran ``deepspeed.initialize``, which the survivor mirrored): a
 second death during healing.
+``--die-in-step K``: in attempt 0, rank 1 of generation 0 SIGKILLs itself inside DeepSpeed's
+``engine.step()`` of step K, once its torch optimizer stepped (the norm's all-reduce done,
+the weights' all-gather not yet): the survivor's error comes from inside that step.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -50,10 +54,31 @@ def die_in_join() -> None:
     Rejoin.join = join  # type: ignore[method-assign]
 
 
+def die_in_step(step: int) -> None:
+    import deepspeed
+
+    real = deepspeed.initialize
+
+    def initialize(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        calls = [0]
+
+        def hook(*_: Any) -> None:
+            calls[0] += 1
+            if calls[0] == step + 1:  # the first call is step 0's
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        out[0].optimizer.optimizer.register_step_post_hook(hook)
+        return out
+
+    deepspeed.initialize = initialize
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lose-shm", action="store_true")
     ap.add_argument("--die-in-heal", action="store_true")
+    ap.add_argument("--die-in-step", type=int, default=-1)
     ours, rest = ap.parse_known_args()
     replacement = int(os.environ.get(ENV_GENERATION, "0") or 0) > 0
     note_pid("start")
@@ -62,6 +87,9 @@ def main() -> int:
             f.unlink()
     if replacement and ours.die_in_heal and os.environ.get("ORCHESTRATOR_ATTEMPT") == "0":
         die_in_join()
+    first = os.environ.get("ORCHESTRATOR_ATTEMPT") == "0" and not replacement
+    if ours.die_in_step >= 0 and first and os.environ["RANK"] == "1":
+        die_in_step(ours.die_in_step)
     code = example.main(rest)
     note_pid("end")
     return code
