@@ -199,6 +199,17 @@ class DeepSpeedEngine(Engine):
             return [p.ds_tensor for p in params], False
         return params, True
 
+    def rebind_unsupported(self) -> str | None:
+        from orchestrator.engines.rebind_deepspeed import deepspeed_unsupported
+
+        return deepspeed_unsupported(self.ds, self.stage3)
+
+    def rebind(self) -> None:
+        # ZeRO-1/2 (issue 33): orchestrator/engines/rebind_deepspeed.py says what and why.
+        from orchestrator.engines.rebind_deepspeed import mirror_deepspeed
+
+        mirror_deepspeed(self.ds)
+
     def lr(self) -> float | None:
         return float(self.ds.get_lr()[0])
 
