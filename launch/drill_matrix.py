@@ -111,7 +111,7 @@ FAULTS = (
 SHARDED = frozenset({"fsdp2", "fsdp1", "zero3"})
 # Engines whose survivors re-form in place (Engine.rebind): an agent cell of theirs must show
 # an in-place recovery. The others' agent cells must fall back to a full restart, bit for bit.
-IN_PLACE = frozenset({"ddp"})
+IN_PLACE = frozenset({"ddp", "fsdp2", "zero1", "zero2"})
 QUICK = ("nan", "crash", "hang", "crash_inplace", "preempt", "kill_write", "bad_manifest")
 
 DRILL_POLICY: dict[str, Any] = {
