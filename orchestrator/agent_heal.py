@@ -118,9 +118,9 @@ class Healer:
             "agent: rank(s) %s died (%s); replaced alone in generation %d",
             list(replaced), codes, word.gen,
         )  # fmt: skip
-        why = self._wait_joined(word.gen, world, stopping)
+        why = self._wait_joined(word.gen, world, stopping, broken=g)
         if why is not None:
-            self._fallback(word.gen, dead, cause, why + self._refusals(g))
+            self._fallback(word.gen, dead, cause, why)
             return False
         self.gen, joined = word.gen, time.time()
         for old, rep, code in zip(dead, new, codes, strict=True):
@@ -181,18 +181,26 @@ class Healer:
             )
         return None
 
-    def _wait_joined(self, g: int, world: int, stopping: Callable[[], bool]) -> str | None:
-        """Wait until ``world`` ranks joined generation ``g``; why not, or None."""
+    def _wait_joined(
+        self, g: int, world: int, stopping: Callable[[], bool], broken: int
+    ) -> str | None:
+        """Wait until ``world`` ranks joined generation ``g``; why not, or None. A survivor
+        of generation ``broken`` that says it cannot re-form ends the wait at once."""
         deadline = time.monotonic() + self.timeout_s
         while True:
             if self._joined(g) >= world:
                 return None
+            said = self._refusals(broken)
+            if said:
+                return f"a survivor cannot re-form in place{said}"
             word = self._word(g)
             if word is not None and word.fallback is not None:
                 return word.fallback
             died = [r.rank for r in self.ranks.ranks if r.poll() not in (None, 0)]
             if died:
-                return f"rank(s) {died} died while generation {g} was healing"
+                return f"rank(s) {died} died while generation {g} was healing" + (
+                    self._refusals(broken)
+                )
             if stopping():
                 return STOPPING
             if time.monotonic() >= deadline:
