@@ -39,6 +39,7 @@ def preload() -> None:
     device call does: ``torch.cuda.init``, a tensor on a GPU), so the ``CUDA_VISIBLE_DEVICES``
     of the assignment still applies; the spare must make no such call here."""
     import torch
+    import torch._dynamo  # DDP's constructor imports it: ~200 modules, ~1 s on a 2-core host
     import torch.distributed
     import torch.nn.parallel  # noqa: F401
 
