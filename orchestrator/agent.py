@@ -29,6 +29,7 @@ from torch.distributed import Store, TCPStore
 from orchestrator import inplace_protocol as IP
 from orchestrator.agent_heal import Healer
 from orchestrator.agent_ranks import Layout, Ranks, common_env, rank_command
+from orchestrator.agent_spare import Spares
 from orchestrator.policy import load_policy
 
 logger = logging.getLogger("orchestrator.agent")
@@ -156,9 +157,11 @@ class Agent:
             if all(c == 0 for c in codes):
                 return 0
             dead = [r for r, c in zip(self.ranks.ranks, codes, strict=True) if c not in (None, 0)]
-            if dead and not self.healer.heal(dead, lambda: self.signal is not None):
-                self.ranks.stop()
-                return 1
+            if dead:
+                if not self.healer.heal(dead, lambda: self.signal is not None):
+                    self.ranks.stop()
+                    return 1
+                self.ranks.refill_spares()  # the generation formed: the CPU is free again
             time.sleep(POLL_S)
 
 
@@ -176,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     hosted, control, master = stores(store, group_rank, addr)
     env = common_env(a.nproc_per_node, in_place)
     env[IP.ENV_CONTROL_ADDR], env[IP.ENV_CONTROL_PORT] = control.host, str(control.port)
-    ranks = Ranks(lay, rank_command(a.script, a.args, a.module, a.no_python), env)
+    cmd = rank_command(a.script, a.args, a.module, a.no_python)
+    spares = Spares(sup.in_place_spares, cmd, env) if in_place and sup.in_place_spares else None
+    ranks = Ranks(lay, cmd, env, spares=spares)
     healer = Healer(ranks, control, master[0], in_place, sup)
     agent = Agent(ranks, healer)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -188,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             exit_barrier(control, group_rank, nodes)
         return code
     finally:
+        ranks.close_spares()
         healer.close()
         del hosted  # the stores' servers end with the agent, after its ranks
 

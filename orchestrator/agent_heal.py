@@ -126,7 +126,7 @@ class Healer:
         for old, rep, code in zip(dead, new, codes, strict=True):
             self._write(word.gen, EVENT_RANK_REPLACED, {
                 "rank": old.rank, "cause": cause, "generation": word.gen, "returncode": code,
-                "pid_old": old.proc.pid, "pid_new": rep.proc.pid,
+                "pid_old": old.proc.pid, "pid_new": rep.proc.pid, "spare": rep.spare,
                 "decided": decided, "joined": joined, "seconds": round(joined - decided, 3),
             })  # fmt: skip
         return True

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator import inplace_protocol as IP
+from orchestrator.agent_spare import Spares
 
 STOP_TIMEOUT_S = 30.0  # torchrun's PContext.close(timeout=30): SIGTERM, then SIGKILL
 _PR_SET_PDEATHSIG = 1
@@ -79,6 +80,7 @@ class Rank:
     proc: subprocess.Popen[bytes]
     gen: int
     started: float = field(default_factory=time.time)
+    spare: bool = False  # a warm spare took it (orchestrator/agent_spare.py)
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -92,17 +94,30 @@ class Ranks:
     cmd: list[str]  # what every rank runs: python -u script.py args...
     base_env: dict[str, str]  # the agent's environment plus what is the same for every rank
     ranks: list[Rank] = field(default_factory=list)
+    spares: Spares | None = None  # warm spares for replacements (supervisor.in_place_spares)
 
     def start_all(self, master: tuple[str, int], gen: int) -> None:
         self.ranks = [self._start(local, master, gen) for local in range(self.layout.nproc)]
+        self.refill_spares()
+
+    def refill_spares(self) -> None:
+        """Start the warm spares that are missing (at the start; after one was used, once
+        its generation formed: not while the survivors wait on the replacement)."""
+        if self.spares is not None:
+            self.spares.refill(_die_with_agent)
+
+    def close_spares(self) -> None:
+        if self.spares is not None:
+            self.spares.close()
 
     def replace(self, local: int, master: tuple[str, int], gen: int) -> Rank:
-        """Start local rank ``local`` again, alone, in generation ``gen``."""
-        new = self._start(local, master, gen)
+        """Start local rank ``local`` again, alone, in generation ``gen``: a warm spare
+        when one is alive, else a fresh process."""
+        new = self._start(local, master, gen, spare=True)
         self.ranks[local] = new
         return new
 
-    def _start(self, local: int, master: tuple[str, int], gen: int) -> Rank:
+    def _start(self, local: int, master: tuple[str, int], gen: int, spare: bool = False) -> Rank:
         env = {
             **self.base_env,
             **self.layout.env(local),
@@ -110,13 +125,14 @@ class Ranks:
             "MASTER_PORT": str(master[1]),
             IP.ENV_GENERATION: str(gen),
         }
+        taken = self.spares.take(env) if spare and self.spares is not None else None
         # torchrun's workers run in their own sessions: a signal to the agent's group
         # reaches the agent, which forwards it (the supervisor's launcher holds every
         # descendant by pidfd anyway).
-        proc = subprocess.Popen(
+        proc = taken or subprocess.Popen(
             self.cmd, env=env, start_new_session=True, preexec_fn=_die_with_agent
         )
-        return Rank(local, self.layout.base_rank + local, proc, gen)
+        return Rank(local, self.layout.base_rank + local, proc, gen, spare=taken is not None)
 
     def send(self, sig: int) -> None:
         for r in self.ranks:

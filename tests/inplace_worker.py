@@ -14,13 +14,17 @@ step ``Ki``'s collective.
 ``--slow-start S``: a replacement (generation > 0) sleeps S seconds before its init (a
 host where the interpreter, imports and CUDA take that long).
 ``--die-again``: the replacement SIGKILLs itself after its init, before it joined (a second
-death during healing: the agent falls back). Writes DIR/rank<r>.json: pid at start and end,
-generation, the final state.
+death during healing: the agent falls back).
+``--kill-spare``: rank 1 of generation 0 SIGKILLs the agent's warm spare (orchestrator/spare.py)
+before it dies (the agent must start a fresh replacement). Writes DIR/rank<r>.json: pid at
+start and end, generation, the final state; and DIR/start-rank<r>-gen<g>.json: what the
+process saw at its start (to compare a spare's start with a fresh one's).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -65,6 +69,52 @@ def heal(ctl: dist.TCPStore, gen: int, state: torch.Tensor, step: torch.Tensor) 
     ctl.add(IP.joined_key(gen), 1)
 
 
+def record_start(out: Path, rank: int, gen: int) -> None:
+    main = sys.modules["__main__"]
+    (out / f"start-rank{rank}-gen{gen}.json").write_text(
+        json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv,
+                    "path0": sys.path[0], "cwd": os.getcwd(), "env": dict(os.environ),
+                    "faulthandler": faulthandler.is_enabled(), "main": main.__file__,
+                    "name": __name__, "sigint": str(signal.getsignal(signal.SIGINT)),
+                    "sigterm": str(signal.getsignal(signal.SIGTERM)), "spares": len(spares())})
+    )  # fmt: skip
+
+
+def _stat(pid: str) -> list[str]:
+    """/proc/<pid>/stat's fields after the command's name (state, ppid, ...); [] if gone."""
+    try:
+        return (Path("/proc") / pid / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def spares() -> list[int]:
+    """The agent's warm spares: this process's siblings that run orchestrator.spare."""
+    found = []
+    for d in Path("/proc").iterdir():
+        fields = _stat(d.name) if d.name.isdigit() else []
+        if not fields or int(fields[1]) != os.getppid():
+            continue
+        try:
+            if b"orchestrator.spare" in (d / "cmdline").read_bytes():
+                found.append(int(d.name))
+        except OSError:
+            continue
+    return found
+
+
+def kill_spare() -> None:
+    """SIGKILL the agent's waiting spare and wait until it is dead (not yet reaped)."""
+    deadline = time.monotonic() + 60
+    while not (found := spares()):
+        if time.monotonic() > deadline:
+            raise SystemExit("inplace_worker: no spare to kill")
+        time.sleep(0.05)
+    os.kill(found[0], signal.SIGKILL)
+    while (state := _stat(str(found[0]))) and state[0] != "Z":
+        time.sleep(0.01)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -72,6 +122,7 @@ def main() -> None:
     p.add_argument("--hang-at", type=int, default=-1)
     p.add_argument("--die-again", action="store_true")
     p.add_argument("--slow-start", type=float, default=0.0)
+    p.add_argument("--kill-spare", action="store_true")
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     gen = int(os.environ[IP.ENV_GENERATION])
@@ -79,6 +130,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     start_pid = os.getpid()
+    record_start(out, rank, gen)
     ctl = control()
     if gen > 0:
         time.sleep(a.slow_start)  # the simulated slow start itself, not a wait for anything
@@ -95,6 +147,8 @@ def main() -> None:
         k = int(step)
         beat.beat(k)
         if rank == 1 and first and gen < len(a.die_at) and k == a.die_at[gen]:
+            if a.kill_spare and gen == 0:
+                kill_spare()
             os.kill(os.getpid(), signal.SIGKILL)
         if rank == 1 and first and gen == 0 and k == a.hang_at:
             time.sleep(600)  # hung: the supervisor kills it

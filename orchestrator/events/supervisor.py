@@ -196,6 +196,7 @@ class RankReplaced(Record):
     decided: float | None = None  # when the agent decided (time.time())
     joined: float | None = None  # when every rank had joined the new generation
     seconds: float | None = None  # decided -> joined
+    spare: bool | None = None  # a warm spare took the rank (supervisor.in_place_spares)
 
 
 @kind("inplace_failed", "supervisor")
