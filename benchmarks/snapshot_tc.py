@@ -66,8 +66,9 @@ def compare(
     rows: dict[str, list[float]] = {}
     try:
         for rep in range(reps):
-            for name, fn in (("ours", lambda r=rep: _ours(ring, engine, r)),
-                             ("tc", lambda r=rep: _tc(mgr, payload, f"{base}/tc-{r}"))):  # fmt: skip
+            cases = (("ours", lambda r=rep: _ours(ring, engine, r)),
+                     ("tc", lambda r=rep: _tc(mgr, payload, f"{base}/tc-{r}")))  # fmt: skip
+            for name, fn in cases:
                 plain += [step(name == "tc") for _ in range(2)]
                 barrier()
                 marks = fn()
