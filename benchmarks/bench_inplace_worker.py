@@ -148,11 +148,8 @@ def nvrx_main(a: argparse.Namespace) -> None:
         heartbeat_interval=fast,
         progress_watchdog_interval=fast,
         last_call_wait=fast,
-        heartbeat_timeout=timedelta(seconds=3),
-        soft_timeout=timedelta(seconds=20),
-        hard_timeout=timedelta(seconds=30),
-        barrier_timeout=timedelta(seconds=60),
-        completion_timeout=timedelta(seconds=60),
+        heartbeat_timeout=timedelta(seconds=10),  # its default (30 s) is a hang's bound
+        # soft/hard timeouts (no progress): NVRx's defaults, 60 and 90 s
     )
     # NVRx passes its CallWrapper to the parameter annotated with that class, read from the
     # live annotation (a string under ``from __future__ import annotations`` fails its check)

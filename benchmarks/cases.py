@@ -198,7 +198,10 @@ def tc_only(args: argparse.Namespace) -> dict[str, Any]:
     model, opt = _trained(args)
     base = _shared_dir(comm)
     try:
-        return snapshot_tc.compare(TorchEngine(model, opt), model, opt, base, args.reps)
+        engine = TorchEngine(model, opt)
+        params = sum(p.numel() for p in engine.core.parameters())
+        out = snapshot_tc.compare(engine, model, opt, base, args.reps)
+        return {"params_m": params / 1e6, **out}
     finally:
         barrier()
         if comm.rank == 0:
