@@ -96,6 +96,8 @@ def ours(a: argparse.Namespace, size: str, in_place: bool, work: Path) -> dict[s
         res["journal_fault_to_first_step_s"] = rec["times"]["first_step"] - rec["times"]["fault"]
         res["replacement_start_to_step_s"] = rec["times"]["first_step"] - rep["decided"]
         res["resumed_step"] = ev["step"]
+        # the agent's word, the survivors' detection, leaving, re-forming, the heal's end
+        res["times_from_fault_s"] = {k: round(v - fault, 3) for k, v in rec["times"].items()}
     else:
         starts = [e["time"] for e in events if e["kind"] == "attempt_start" and e["attempt"] == 1]
         first = min(t for t, _ in steps if t > fault)
@@ -272,6 +274,12 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def summarize(runs: list[dict[str, Any]], cases: list[str]) -> dict[str, Any]:
+    sizes = list(dict.fromkeys(r["size"] for r in runs))
+    return {s: {c: summary([r for r in runs if r["case"] == c and r["size"] == s])
+                for c in cases} for s in sizes}  # fmt: skip
+
+
 def table(summ: dict[str, dict[str, dict[str, Any]]]) -> str:
     lines = ["| params | case | fault -> next step | fault -> both ranks stepping "
              "| survivor's stall | replacement start -> step | step time | it / ours |",
@@ -284,7 +292,10 @@ def table(summ: dict[str, dict[str, dict[str, Any]]]) -> str:
                 continue
 
             def f(k: str, s: dict[str, Any] = s) -> str:
-                return f"{s[k]:.2f} s" if s.get(k) is not None else "n/a"
+                if s.get(k) is None:
+                    return "n/a"
+                lo, hi = s[k + "_range"]
+                return f"{s[k]:.2f} s" + (f" ({lo:.1f}-{hi:.1f})" if s["n"] > 1 else "")
 
             full = s.get("fault_to_full_step_s")
             ratio = f"{full / ref:.2f}x" if ref and full and case != "inplace" else ""
@@ -306,7 +317,12 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="ours only, tiny, once: no extras")
     p.add_argument("--keep-failed", action="store_true", help="keep a failed run's files")
     p.add_argument("--json", help="write every run and the medians here")
+    p.add_argument("--tabulate", nargs="+", help="print the table of these --json files' runs")
     a = p.parse_args()
+    if a.tabulate:
+        runs = [r for f in a.tabulate for r in json.loads(Path(f).read_text())["runs"]]
+        print(table(summarize(runs, a.cases.split(","))))
+        return
     if a.smoke:
         a.cases, a.sizes, a.repeats = "inplace,restart", "tiny", 1
     a.steps = a.steps or a.fault_step + 5
@@ -317,8 +333,7 @@ def main() -> None:
             for case in cases:
                 runs.append(one(a, case, size))
                 print(json.dumps(runs[-1]), flush=True)
-    summ = {s: {c: summary([r for r in runs if r["case"] == c and r["size"] == s])
-                for c in cases} for s in sizes}  # fmt: skip
+    summ = summarize(runs, cases)
     print(table(summ))
     if a.json:
         Path(a.json).write_text(json.dumps({"runs": runs, "summary": summ}, indent=1))
