@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import snapshot_tc
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -165,6 +166,7 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
 
     torch_load_s = timed(torch_load, reps)
     dcp_load_s = timed(lambda: dcp.load(state, checkpoint_id=dcp_path), reps)
+    tc = snapshot_tc.compare(engine, model, opt, base, reps)  # last: it trains the model
     barrier()
     if comm.rank == 0:
         shutil.rmtree(base, ignore_errors=True)
@@ -186,7 +188,24 @@ def snapshot(args: argparse.Namespace) -> dict[str, Any]:
         "dcp_load_ms": dcp_load_s * 1e3,
         "ring_slot_over_state": nbytes / state_bytes,
         **shm,
+        **tc,
     }
+
+
+def tc_only(args: argparse.Namespace) -> dict[str, Any]:
+    """Only the snapshot case's torch_checkpointing comparison (benchmarks/snapshot_tc.py)."""
+    comm = Comm()
+    model, opt = _trained(args)
+    base = _shared_dir(comm)
+    try:
+        engine = TorchEngine(model, opt)
+        params = sum(p.numel() for p in engine.core.parameters())
+        out = snapshot_tc.compare(engine, model, opt, base, args.reps)
+        return {"params_m": params / 1e6, **out}
+    finally:
+        barrier()
+        if comm.rank == 0:
+            shutil.rmtree(base, ignore_errors=True)
 
 
 def _shm_ring(comm: Comm, engine: TorchEngine, state_bytes: int) -> tuple[Any, dict[str, Any]]:
@@ -449,7 +468,8 @@ def recovery(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-CASES = {"snapshot": snapshot, "detect": detect, "recovery": recovery, "digest": digest}
+CASES = {"snapshot": snapshot, "detect": detect, "recovery": recovery, "digest": digest,
+         "snapshot_tc": tc_only}  # fmt: skip
 
 
 def main() -> None:

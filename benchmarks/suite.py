@@ -108,6 +108,33 @@ def _mark(value: float, target: float, at_least: bool) -> str:
     return f"{value:.2f}x" + ("" if ok else " MISSED")
 
 
+def _tc_table(snap: list[dict[str, Any]]) -> list[str]:
+    """torch_checkpointing 0.1.1 beside our snapshot (benchmarks/snapshot_tc.py), where the
+    ``bench`` extra was installed."""
+    rows = [r["result"] for r in snap if "tc_return_ms" in r["result"]]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "**torch_checkpointing 0.1.1 beside our snapshot** (async save: staging thread, "
+        "writer subprocess; `with manager.lock(): optimizer.step()`; ours: the ring's copy, "
+        "no file; next 3 steps against plain steps)",
+        "",
+        "| params | ranks | step | ours: return = copied | tc: return / copied / written "
+        "| tc copied / ours | slowdown of the next steps: ours / tc |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for x in rows:
+        lines.append(
+            f"| {x['params_m']:.1f}M | {x['world_size']} | {x['step_ms']:.0f} ms "
+            f"| {x['ours_return_ms']:.1f} ms | {x['tc_return_ms']:.1f} / "
+            f"{x['tc_copied_ms']:.1f} / {x['tc_written_ms']:.0f} ms "
+            f"| {x['tc_copied_ms'] / x['ours_copied_ms']:.2f}x "
+            f"| {x['ours_slowdown']:.2f}x / {x['tc_slowdown']:.2f}x |"
+        )
+    return lines
+
+
 def tables(results: list[dict[str, Any]]) -> str:
     done = [r for r in results if "result" in r]
     lines = []
@@ -165,6 +192,7 @@ def tables(results: list[dict[str, Any]]) -> str:
                 f"| {_mark(x['torch_save_ms'] / x['shm_ms'], 15, True)} "
                 f"| {_mark(x['shm_node_slot_over_state'], 1.05, False)} |"
             )
+        lines += _tc_table(snap)
         lines.append("")
         by_size: dict[str, dict[int, float]] = {}
         for r in snap:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,15 @@ def test_goodput_benchmark_runs() -> None:
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert [row["config"] for row in rows] == ["defaults", "auto", "fixed-10-10"]
     assert all(0 < row["goodput"] <= 1 for row in rows)
+
+
+@pytest.mark.matrix  # two supervised runs with a crash each (about 20 s); none of the extras
+def test_inplace_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "inplace.json"
+    r = run([sys.executable, "benchmarks/bench_inplace.py", "--smoke", "--json", str(out)],
+            timeout=280)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(x["case"], "failed" in x) for x in runs] == [("inplace", False), ("restart", False)]
+    assert runs[0]["resumed_step"] == 25  # the newest snapshot before the fault at 27
+    assert all(x["fault_to_full_step_s"] > 0 for x in runs)
