@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import yaml
+from test_inplace import CRASH, POLICY
 
 from conftest import DS_EXAMPLE, REPO, assert_bitwise_equal, final_states, kinds, run, train
 
@@ -24,13 +25,6 @@ pytestmark = pytest.mark.timeout(300)
 
 WORKER = REPO / "tests" / "zero2_worker.py"
 ARGS = ["--steps", "40"]
-POLICY: dict[str, Any] = {
-    "adjust": {"lr_factor": 1.0},
-    "quarantine": {"enabled": False},
-    "snapshot": {"every_steps": 5, "keep": 3},
-    "persist": {"every_steps": 10},
-}
-CRASH = {"faults": [{"kind": "crash", "step": 27, "rank": 1}]}
 
 
 class CleanRuns(dict[int, Path]):
