@@ -60,11 +60,20 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
 
-def _wait(what: str, ok: Callable[[], Any], timeout_s: float = 120) -> None:
+def _wait(
+    what: str, ok: Callable[[], Any], timeout_s: float = 120, why: Callable[[], str] = str
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not ok():  # bounded poll
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{why()}"
         time.sleep(0.5)
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError as e:
+        return str(e)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +165,15 @@ def job(slurm: dict[str, str], job_id: str) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
 
 
+def _starts_later_than(info: dict[str, str], seconds: float) -> bool:
+    """Whether a pending job's StartTime is unknown or more than ``seconds`` from now."""
+    try:
+        start = time.mktime(time.strptime(info.get("StartTime", ""), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return True
+    return start > time.time() + seconds
+
+
 FAST = {"backoff_s": 0.2, "backoff_max_s": 1.0, "heartbeat_interval_s": 0.5}
 
 
@@ -173,18 +191,30 @@ def test_scancel_term_preempts_and_the_requeued_job_resumes(
     _wait("the requeue", lambda: job(slurm, job_id).get("Restarts") == "1")
     (exit_event,) = kinds(d, "supervisor_exit")
     assert exit_event["details"]["exit_code"] == EXIT_PREEMPTED
-    # A requeued job waits before it is eligible again; this test does not. Said again while
-    # it is pending: an update that came before slurmctld set the requeue's begin time was
-    # overwritten by it (CI once saw the job never start again).
+    # A requeued job waits before it is eligible again; this test does not wait that long.
+    # Not `StartTime=now`: slurmd refuses a credential made in the second its job was revoked
+    # ("Job credential revoked", the job FAILED; CI saw it), so two seconds on. Said again
+    # while the begin time is further off: an update that came before slurmctld set the
+    # requeue's begin time was overwritten by it (CI once saw the job never start again).
 
     def finished() -> bool:
-        state = job(slurm, job_id).get("JobState")
-        if state == "PENDING":
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"],
+        info = job(slurm, job_id)
+        state = info.get("JobState")
+        if state == "PENDING" and _starts_later_than(info, 3.0):
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"],
                            env=slurm, check=False, capture_output=True)  # fmt: skip
+        assert state in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "COMPLETED"), why()
         return state == "COMPLETED"
 
-    _wait("the job to finish", finished, 240)
+    def why() -> str:
+        # What CI needs to tell a job that never started again from one that failed.
+        conf = Path(slurm["SLURM_CONF"]).parent
+        return (
+            f"job: {job(slurm, job_id)}\n--- job.out\n{_tail(tmp_path / 'job.out')}\n"
+            f"--- slurmctld.log\n{_tail(conf / 'slurmctld.log')}"
+        )
+
+    _wait("the job to finish", finished, 240, why)
     (pre,) = kinds(d, "preempted")
     assert pre["details"]["persisted"] is True
     (resume,) = kinds(d, "resume")

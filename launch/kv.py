@@ -1,0 +1,139 @@
+"""The few key-value operations the supervisors agree through (launch/store_peers.py), and
+torch's ``TCPStore`` behind them.
+
+The store outlives attempts: the supervisor of the node that holds the launcher's
+rendezvous serves it for the whole job (:func:`serve_tcp`), every node's supervisor is a
+client (:func:`connect_tcp`). Every call has a timeout and raises :class:`StoreError` when
+the store does not answer: the caller decides what that means (launch/store_peers.py: the
+store's host is lost, exit 77 naming it). torch is imported here only when a store is used,
+so ``launch/`` stays light for one node.
+
+etcd (launch/kv_etcd.py) implements the same protocol for clusters that run one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+
+class StoreError(RuntimeError):
+    """The store did not answer (its host is gone, the network is cut, or it timed out)."""
+
+
+class KV(Protocol):
+    """What the supervisors need from a store. Values are bytes; a missing key reads None.
+
+    ``where`` names the store for messages (``tcp://host:port``)."""
+
+    where: str
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def add(self, key: str, amount: int) -> int:
+        """Add to a counter (a missing key counts 0) and return its new value."""
+        ...
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """Set ``desired`` if the value is ``expected`` (a missing key matches ``b""``);
+        return the value the key holds afterwards."""
+        ...
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Many keys in one round trip."""
+        ...
+
+    def append(self, key: str, value: bytes) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class TCPKV:
+    """A client of a torch ``TCPStore`` (one connection; calls serialized by a lock, since
+    the supervisor's beat thread and main thread share it)."""
+
+    def __init__(self, host: str, port: int, timeout_s: float, *, store: Any = None) -> None:
+        self.where = f"tcp://{host}:{port}"
+        self._lock = threading.Lock()
+        self._known: set[str] = set()  # keys seen to exist: keys are never deleted
+        if store is None:
+            from torch.distributed import TCPStore
+
+            try:
+                store = TCPStore(
+                    host,
+                    port,
+                    is_master=False,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                    use_libuv=True,
+                )
+            except RuntimeError as err:
+                raise StoreError(f"{self.where}: {_first_line(err)}") from err
+        self._store = store
+
+    def _call(self, fn: Any, *args: Any) -> Any:
+        with self._lock:
+            try:
+                return fn(*args)
+            except RuntimeError as err:  # DistNetworkError, DistStoreError (timeouts)
+                raise StoreError(f"{self.where}: {_first_line(err)}") from err
+
+    def get(self, key: str) -> bytes | None:
+        # TCPStore.get waits for a missing key (for its timeout): look first, once.
+        if key not in self._known:
+            if not self._call(self._store.check, [key]):
+                return None
+            self._known.add(key)
+        return bytes(self._call(self._store.get, key))
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call(self._store.set, key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call(self._store.add, key, amount))
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return bytes(self._call(self._store.compare_set, key, expected, desired))
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
+        keys = list(keys)
+        missing = [k for k in keys if k not in self._known]
+        if missing and not self._call(self._store.check, missing):
+            return [self.get(k) for k in keys]  # rare: a node that has not written yet
+        self._known.update(missing)
+        return [bytes(v) for v in self._call(self._store.multi_get, keys)] if keys else []
+
+    def append(self, key: str, value: bytes) -> None:
+        self._call(self._store.append, key, value)
+
+    def close(self) -> None:
+        self._store = None
+
+
+def serve_tcp(port: int, timeout_s: float) -> TCPKV | None:
+    """Serve a ``TCPStore`` on ``port`` from this process, on every address, and return a
+    client of it; None when the port is taken (another node on this machine serves it:
+    nodes simulated on one host)."""
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore(
+            "0.0.0.0",
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            use_libuv=True,
+        )
+    except RuntimeError:  # DistNetworkError: the port is taken
+        return None
+    return TCPKV("0.0.0.0", port, timeout_s, store=store)
+
+
+def _first_line(err: BaseException) -> str:
+    """torch's store errors carry a C++ stack after the first line."""
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
