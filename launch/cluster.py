@@ -16,9 +16,10 @@ import socket
 import time
 from collections.abc import Callable
 
+from launch.coordination import make_peers
 from launch.endpoint import Endpoint, is_local, launcher_endpoint, route_addr, unreachable
 from launch.launcher import StopRequests
-from launch.nodes import AGREEING, Ended, Peers, agree, launcher_nodes
+from launch.nodes import AGREEING, Coordinator, Ended, launcher_nodes
 from orchestrator.journal import Journal
 from orchestrator.policy_sections import SupervisorPolicy
 from orchestrator.protocol import EVENT_NODE_LOST, EXIT_OK
@@ -46,13 +47,14 @@ class Cluster:
         self.host = socket.gethostname()
         self._step = step  # the highest step seen (for the events)
         self.nnodes = launcher_nodes(cmd, os.environ)
-        self.peers = Peers(run_dir, node, self.nnodes, sup.heartbeat_interval_s)
         # Where the launcher's rendezvous meets, and whether this node serves it
         # (launch/endpoint.py); a node that does not waits for it to answer.
         self.endpoint: Endpoint | None = (
             launcher_endpoint(cmd, os.environ) if self.nnodes > 1 else None
         )
         self.store_here = self.endpoint is not None and is_local(self.endpoint.host)
+        # The other nodes' supervisors: through a store, or the run directory's files.
+        self.peers: Coordinator = make_peers(run_dir, node, self.nnodes, sup, self.endpoint)
         self.journal: Journal | None = None  # set once the supervisor opens it
         self.lost: str | None = None  # why the current attempt was stopped for a lost node
         self.ended: Ended | None = None  # a peer that ended the job while we waited for it
@@ -78,7 +80,7 @@ class Cluster:
         probed_at, cut = -float("inf"), None
         while not stops.count:
             self.peers.at(attempt, AGREEING)
-            attempt, start = agree(attempt, self.peers.live(), self.nnodes)
+            attempt, start = self.peers.propose(attempt)
             self.peers.at(attempt, AGREEING)
             lost = self.peers.lost(self.sup.node_timeout_s)
             if lost is not None:
@@ -109,8 +111,8 @@ class Cluster:
             if wait not in said:
                 said.add(wait)
                 _say(f"waiting for {wait}")
-            # Every node reads every node's file at each look: as rarely as liveness is
-            # judged (Peers.poll_s), so many nodes stay cheap on the shared file system.
+            # A look reads every node's file (files) or one cached view (a store): as often
+            # as the coordinator's poll_s, so many nodes stay cheap.
             stops.wake.wait(self.peers.poll_s)
         return None
 

@@ -14,6 +14,7 @@ etcd (launch/kv_etcd.py) implements the same protocol for clusters that run one.
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -58,11 +59,20 @@ class TCPKV:
 
     def __init__(self, host: str, port: int, timeout_s: float, *, store: Any = None) -> None:
         self.where = f"tcp://{host}:{port}"
+        self.serving = store is not None  # this process serves it (never reconnects)
+        self.ops = 0  # round trips made (benchmarks/bench_scale.py counts them)
         self._lock = threading.Lock()
         self._known: set[str] = set()  # keys seen to exist: keys are never deleted
         if store is None:
             from torch.distributed import TCPStore
 
+            # A refused or unroutable port fails here, fast and without the GIL: the
+            # TCPStore client would retry it for its whole timeout holding the GIL, which
+            # stalls every other thread of this process (the supervisor's main thread too).
+            try:
+                socket.create_connection((host, port), timeout=timeout_s).close()
+            except OSError as err:
+                raise StoreError(f"{self.where}: {err}") from err
             try:
                 store = TCPStore(
                     host,
@@ -77,6 +87,7 @@ class TCPKV:
 
     def _call(self, fn: Any, *args: Any) -> Any:
         with self._lock:
+            self.ops += 1
             try:
                 return fn(*args)
             except RuntimeError as err:  # DistNetworkError, DistStoreError (timeouts)
@@ -114,10 +125,10 @@ class TCPKV:
         self._store = None
 
 
-def serve_tcp(port: int, timeout_s: float) -> TCPKV | None:
+def serve_tcp(port: int, timeout_s: float, host: str = "0.0.0.0") -> TCPKV | None:
     """Serve a ``TCPStore`` on ``port`` from this process, on every address, and return a
-    client of it; None when the port is taken (another node on this machine serves it:
-    nodes simulated on one host)."""
+    client of it (``host``: what messages call it); None when the port is taken (another
+    node on this machine serves it: nodes simulated on one host)."""
     from torch.distributed import TCPStore
 
     try:
@@ -131,7 +142,7 @@ def serve_tcp(port: int, timeout_s: float) -> TCPKV | None:
         )
     except RuntimeError:  # DistNetworkError: the port is taken
         return None
-    return TCPKV("0.0.0.0", port, timeout_s, store=store)
+    return TCPKV(host, port, timeout_s, store=store)
 
 
 def _first_line(err: BaseException) -> str:

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from orchestrator.protocol import SUPERVISORS_DIR, node_path
 from orchestrator.rundir import write_record
@@ -94,11 +94,54 @@ class Ended:
     reason: str
 
 
-class Peers:
-    """This node's supervisor file (written by a thread) and what the others' say."""
+class Coordinator(Protocol):
+    """What a node's supervisor asks of the others: :class:`FilePeers` (the run directory)
+    or launch/store_peers.py's ``StorePeers`` (a key-value store, for many nodes)."""
 
-    def __init__(self, run_dir: str, node: str, nnodes: int, interval_s: float) -> None:
+    node: str
+    nnodes: int
+    stale_s: float
+    poll_s: float
+
+    @property
+    def failing(self) -> str | None: ...
+
+    def start(self) -> None: ...
+
+    def publish(self, **fields: Any) -> None: ...
+
+    def at(self, attempt: int, phase: str) -> None: ...
+
+    def exited(self, code: int, reason: str) -> None: ...
+
+    def refresh(self) -> str | None: ...
+
+    def propose(self, attempt: int) -> tuple[int, bool]: ...
+
+    def others(self) -> dict[str, dict[str, Any]]: ...
+
+    def live(self) -> dict[str, dict[str, Any]]: ...
+
+    def ended(self, fresh: bool = True) -> Ended | None: ...
+
+    def lost(self, timeout_s: float) -> str | None: ...
+
+    def ahead(self, attempt: int) -> str | None: ...
+
+    def silent(self, seconds: float) -> list[str]: ...
+
+
+class FilePeers:
+    """This node's supervisor file (written by a thread) and what the others' say.
+
+    ``watch_others=False``: the file is only written (for ``orchestrator status``), the
+    others are reached another way (launch/store_peers.py)."""
+
+    def __init__(
+        self, run_dir: str, node: str, nnodes: int, interval_s: float, *, watch_others: bool = True
+    ) -> None:
         self.run_dir, self.node, self.nnodes = run_dir, node, nnodes
+        self.watch_others = watch_others
         self.interval_s = interval_s
         self.stale_s = max(10.0, 5 * interval_s)  # no change for this long: not alive
         self.path = node_path(run_dir, SUPERVISORS_DIR, node, ".json")
@@ -134,9 +177,10 @@ class Peers:
     # --- our own file --------------------------------------------------------------------------
     def start(self) -> None:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        self._old = {
-            (n, i.get("pid")) for n, i in self.others().items() if i.get("state") == EXITED
-        }
+        if self.watch_others:
+            self._old = {
+                (n, i.get("pid")) for n, i in self.others().items() if i.get("state") == EXITED
+            }
         self._write()
         self._thread = threading.Thread(target=self._run, name="supervisor-beat", daemon=True)
         self._thread.start()
@@ -154,6 +198,11 @@ class Peers:
             self._mine.update(attempt=attempt, phase=phase)
         if changed:
             self._write()
+
+    def record(self) -> dict[str, Any]:
+        """What this node's file says (a copy)."""
+        with self._lock:
+            return dict(self._mine)
 
     def exited(self, code: int, reason: str) -> None:
         """Stop beating and say how this node's supervisor ended (read by the others)."""
@@ -195,6 +244,10 @@ class Peers:
                     )
 
     # --- the others ----------------------------------------------------------------------------
+    def propose(self, attempt: int) -> tuple[int, bool]:
+        """One look at the agreement on the next attempt (:func:`agree`)."""
+        return agree(attempt, self.live(), self.nnodes)
+
     def others(self) -> dict[str, dict[str, Any]]:
         return {
             str(i.get("node")): i for i in supervisors(self.run_dir) if i.get("node") != self.node
@@ -289,13 +342,24 @@ class Peers:
         )
 
 
+Peers = FilePeers  # its name before issue 34
+
+
 def agree(attempt: int, live: Mapping[str, Mapping[str, Any]], nnodes: int) -> tuple[int, bool]:
     """One look at the agreement on the next attempt: (the attempt to propose now, whether
     to start it). ``attempt``: this node's proposal; ``live``: the live peers' files. The
     highest attempt any of them proposes or runs wins (a node that comes back late joins
     the attempt the others wait in); the launcher starts once all ``nnodes`` are alive and
     at it, so a peer still in an older attempt (it ends it on seeing ours, see
-    :meth:`Peers.ahead`) or still proposing a lower one is waited for."""
+    :meth:`FilePeers.ahead`) or still proposing a lower one is waited for."""
     attempts = [int(i.get("attempt", -1)) for i in live.values()]
     top = max([attempt, *attempts])
     return top, 1 + len(live) >= nnodes and all(a == top for a in attempts)
+
+
+def agree_view(attempt: int, view: Mapping[str, Any], node: str) -> tuple[int, bool]:
+    """:func:`agree` from the store's view (launch/store_view.py): the view's ``top`` is the
+    highest attempt a live node proposes or runs, ``agreed`` whether every node is alive and
+    at it (this one included: start only once the view shows our own record at it)."""
+    top = max(attempt, int(view.get("top", -1)))
+    return top, bool(view.get("agreed")) and int(view.get("top", -1)) == attempt == top

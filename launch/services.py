@@ -21,7 +21,7 @@ from launch.alerts import Alerter
 from launch.exporter import Exporter
 from launch.janitor import Janitor
 from launch.lock import lock_path
-from launch.nodes import Peers
+from launch.nodes import Coordinator
 from launch.replica import Replicator
 from orchestrator.journal import Journal
 from orchestrator.policy import Policy
@@ -37,7 +37,7 @@ def _say(msg: str) -> None:
 class Services:
     """The side services of one node's supervisor, from its start to its end."""
 
-    def __init__(self, policy: Policy, run_dir: str, node: str, peers: Peers) -> None:
+    def __init__(self, policy: Policy, run_dir: str, node: str, peers: Coordinator) -> None:
         self.policy, self.run_dir, self.node, self.peers = policy, run_dir, node, peers
         # The node's shared-memory ring (snapshot.shared_memory): kept across attempts,
         # removed when this supervisor stops for good.

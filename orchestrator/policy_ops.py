@@ -123,6 +123,17 @@ class SupervisorPolicy(_Section):
         "is gone (or never started), or for a rendezvous endpoint that does not answer, "
         "before the job ends with exit 77.",
     )
+    store: str = Field(
+        "auto",
+        pattern=r"^(auto|files|tcp|tcp://\S+|etcd://\S+)$",
+        description="Several nodes: where the supervisors agree on attempts, ends and lost "
+        "nodes (docs/scale.md). auto: a TCPStore served by the supervisor of the launcher's "
+        "rendezvous node, on the rendezvous port + 1 (files when the launcher names no "
+        "endpoint); tcp: the same, or fail when there is none; tcp://host:port: a TCPStore "
+        "there (served by the node whose address it is); etcd://host:port[,host:port]: the "
+        "cluster's etcd; files: the run directory (every node reads every node's file: "
+        "fine for a few nodes, N-squared opens on the shared file system past that).",
+    )
     linger_s: float = Field(
         30.0,
         gt=0,
