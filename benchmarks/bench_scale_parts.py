@@ -259,9 +259,10 @@ def _count_s3_calls() -> None:
 def commit_rows(parts_list: list[int], commit_max: int) -> list[dict[str, Any]]:
     """Rank 0's commit against ``parts`` parts on S3: with every part there (the least it
     costs), one polling round with none there yet (what each 50 ms round costs while ranks
-    are still writing), and one listing of the step's directory (what a listing-based
-    wait would cost per round). Above ``commit_max`` parts only the listing is measured: the
-    commit's requests are counted per part below it (moto serves a few hundred a second)."""
+    are still writing), a round as the wait made it before it listed the step folder (a
+    look per part), and one listing of the step folder. Above ``commit_max`` parts only the
+    listing is measured: the commit's requests are counted per part below it (moto serves
+    a few hundred a second)."""
     import fsspec
 
     _count_s3_calls()
@@ -297,6 +298,7 @@ def _commit_at(fs: Any, root: str, parts: int, commit: bool) -> list[dict[str, A
         cases[:0] = [
             ("commit, every part there", lambda: store.commit(100, parts, "x", {}, 600.0)),
             ("commit: one round, none there", lambda: _one_round(store, parts, PersistError)),
+            ("before: a look per part, one round", lambda: _per_part(store, d, parts)),
         ]
     rows = []
     for name, fn in cases:
@@ -325,10 +327,65 @@ def _one_round(store: Any, parts: int, error: type[Exception]) -> str:
     return "committed?"
 
 
+def _per_part(store: Any, d: str, parts: int) -> str:
+    """One round of the wait as it was before it listed the step folder: a look per part
+    (``exists``: a HEAD, and a LIST more for a part not there) and a read of each found."""
+    store.fs.invalidate_cache()
+    found = [r for r in range(parts) if store.fs.exists(f"{d}/rank_{r}.json")]
+    for r in found:
+        store._read_json_or_none(f"{d}/rank_{r}.json")
+    return f"{len(found)} parts there"
+
+
 def _list(store: Any, d: str) -> str:
     store.fs.invalidate_cache()
     entries = store.fs.ls(d, detail=False)
     return f"{len(entries)} entries"
+
+
+# --- the health check's gather through the store -------------------------------------------------
+EVIDENCE = {"rank": 8191, "host": "node-1023.cluster", "checks": {
+    "compute": {"ok": True, "max_rel_error": 1.2e-07, "checksum": "0" * 64},
+    "memory": {"ok": True, "mismatches": 0},
+    "collectives": {"ok": True, "bad_senders": [], "all_reduce_ok": True},
+    "bandwidth": {"ok": True, "gbps": 123.4, "seconds": 0.0012, "wait_s": 0.0001}}}  # fmt: skip
+
+
+def health_rows(worlds: list[int]) -> list[dict[str, Any]]:
+    """One rank's read of every rank's evidence (orchestrator/health.py ``_gather``) from
+    a real TCPStore holding ``world`` of them: a look per key as before (every rank makes
+    ``world`` requests, so the store serves world^2) and one ``check`` of them all as now;
+    then ``multi_get`` of them all, which stays (every rank judges every rank's evidence)."""
+    value = json.dumps(EVIDENCE)
+    return [row for world in worlds for row in _gather_at(world, value)]
+
+
+def _gather_at(world: int, value: str) -> list[dict[str, Any]]:
+    from datetime import timedelta
+
+    from s3_server import _free_port
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", _free_port(), is_master=True, timeout=timedelta(seconds=60))
+    keys = [f"h/1/evidence/{r}" for r in range(world)]
+    store.multi_set(keys, [value] * world)
+    cases: list[tuple[str, Callable[[], Any], int]] = [
+        ("health gather: a look per key (before)",
+         lambda: [store.check([k]) for k in keys], world),
+        ("health gather: one check of all (now)", lambda: store.check(keys), 1),
+        ("health gather: multi_get of all", lambda: store.multi_get(keys), 1),
+    ]  # fmt: skip
+    rows = []
+    for name, fn, requests in cases:
+        t0 = time.perf_counter()
+        fn()
+        ms = (time.perf_counter() - t0) * 1e3
+        note = f"{world * len(value) // 1024} KB to each rank" if "multi_get" in name else ""
+        rows.append(
+            {"part": name, "parts": world, "ms": round(ms, 1), "requests": requests,
+             "by_op": {"per rank": requests, "store total": requests * world}, "note": note}
+        )  # fmt: skip
+    return rows
 
 
 # --- the table -----------------------------------------------------------------------------------
@@ -343,7 +400,8 @@ def table(rows: list[dict[str, Any]], s3: list[dict[str, Any]]) -> str:
             f"{_n(r['opens'])} | {_n(r['lists'])} | {_n(r['kb'])} | {r['note']} |"
         )
     if s3:
-        out += ["", "| durable commit (moto S3) | parts | ms | requests | by operation | |",
+        out += ["", "| durable commit (moto S3), health gather (TCPStore) | parts or ranks | ms | "
+                "requests | by operation | |",
                 "|---|---:|---:|---:|---|---|"]  # fmt: skip
         for r in s3:
             ops = ", ".join(f"{k} {v}" for k, v in r["by_op"].items())
@@ -377,6 +435,11 @@ def main() -> int:
         default=1024,
         help="above this many parts only the LIST is measured (moto is slow)",
     )
+    p.add_argument(
+        "--health-worlds",
+        default="64,1024,8192",
+        help="ranks whose health evidence one rank reads from a TCPStore; '' skips",
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     args = p.parse_args()
@@ -385,6 +448,8 @@ def main() -> int:
         rows += run_dir_rows(n, args.ranks_per_node, args.extra_events, args.reps)
     parts = [int(x) for x in args.parts.split(",") if x]
     s3 = commit_rows(parts, args.commit_max) if parts else []
+    worlds = [int(x) for x in args.health_worlds.split(",") if x]
+    s3 += health_rows(worlds) if worlds else []
     if args.json:
         for r in rows + s3:
             print(json.dumps(r))

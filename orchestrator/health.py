@@ -308,10 +308,12 @@ class HealthChecker(HealthChecks, HealthVerdict):
             # Polled, never store.wait(timeout): a client's wait that timed out leaves the
             # server's answer on its socket, to be read as the answer to a later request.
             pause = 0.005
-            while not self._store.check(keys) and time.monotonic() < deadline:
+            while not (every := self._store.check(keys)) and time.monotonic() < deadline:
                 time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
                 pause = min(2 * pause, _STORE_POLL_MAX_S)
-            present = [k for k in keys if self._store.check([k])]
+            # A look per key only when some are missing: from every rank, that is world^2
+            # requests on the one store (docs/scale.md).
+            present = keys if every else [k for k in keys if self._store.check([k])]
             values = dict(zip(present, self._store.multi_get(present), strict=True))
         except Exception as err:  # only this rank's own view is known
             mine["checks"]["gather"] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:300]}

@@ -1,24 +1,32 @@
-"""`status` and `report` on a run of many nodes (issue 34, docs/scale.md): past a few nodes
-they sum the nodes and ranks up and list those that need a look, not one line each; `status
---all` still shows every one. A synthetic run directory written with the project's own
-writers (the journal, the heartbeats, the supervisors' files). In-process, a second."""
+"""What grows with the node count (issue 34, docs/scale.md). `status` and `report` on a run
+of many nodes: past a few nodes they sum the nodes and ranks up and list those that need a
+look, not one line each; `status --all` still shows every one (a synthetic run directory
+written with the project's own writers: the journal, the heartbeats, the supervisors'
+files). The durable commit waits for the ranks' parts with one listing of the step folder a
+round, not a request per part (the real S3 server of the tests). In-process, seconds."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conftest import run
+from launch.exporter import Exporter
 from launch.nodes import IN_ATTEMPT, Peers
 from launch.report import load, markdown, timeline
 from launch.status import EACH_NODE_UP_TO, NEED_A_LOOK, render
+from orchestrator.errors import PersistError
 from orchestrator.heartbeat import Heartbeat
 from orchestrator.journal import Journal
-from orchestrator.protocol import ENV_NODE
+from orchestrator.manifest import step_dir
+from orchestrator.protocol import ENV_NODE, METRICS_NAME
+from orchestrator.store import DurableStore
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,3 +102,55 @@ def test_report_says_a_restart_of_many_nodes_once_per_cause(
     names = ", ".join(f"n{i:04d}" for i in range(EACH_NODE_UP_TO // 2))
     assert f"| nodes | {NODES}: {names}, ..., n{NODES - 1:04d} |" in md, md
     assert "| restarts | 1 |" in md, md
+
+
+def test_the_commit_lists_the_step_folder_once_a_round_not_each_part(
+    s3_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's wait for the parts on S3: one LIST a round (a page per 1,000 names), a GET
+    of each part, no HEAD per part; a part that never comes is named, as before."""
+    import s3fs
+
+    store = DurableStore(s3_url)
+    for r in range(3):
+        doc = {"rank": r, "nonce": "n", "files": {}}
+        store._write_json(store.path(step_dir(5), f"rank_{r}.json"), doc)
+    calls: Counter[str] = Counter()
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counted(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        calls[method] += 1
+        return await real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counted)
+    manifest = store.commit(5, 3, "n", {}, timeout_s=10.0)
+    assert calls["head_object"] == 0 and calls["list_objects_v2"] == 1, calls
+    assert manifest["ranks"] == [0, 1, 2] and store.committed_steps() == [5]
+    calls.clear()
+    with pytest.raises(PersistError, match=r"ranks \[3\] did not write their part"):
+        store.commit(5, 4, "n", {}, timeout_s=0.0)  # one round: rank 3's part never comes
+    assert calls["head_object"] == 0 and calls["list_objects_v2"] == 1, calls
+
+
+def test_the_exporter_reads_its_own_nodes_heartbeats_and_rank_0s_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scrape reads this node's heartbeats (not every node's: N x ranks files at every
+    scrape of every node), and the newest metrics row says where the job is."""
+    pytest.importorskip("prometheus_client")
+    many_nodes(tmp_path, monkeypatch)
+    monkeypatch.setenv(ENV_NODE, "n0009")
+    Heartbeat(str(tmp_path), 39, 1, 1.0).beat(99, force=True)  # n0009's rank, far ahead
+
+    def step() -> float:
+        (family,) = [f for f in exporter.collect() if f.name == "orchestrator_step"]
+        return float(family.samples[0].value)
+
+    exporter = Exporter(str(tmp_path), "n0001", 0, "127.0.0.1")
+    try:
+        assert step() == 20  # n0001's ranks (13 is at 18), not n0009's
+        row = {"time": 1.0, "step": 30, "attempt": 1, "loss": 1.0}
+        (tmp_path / METRICS_NAME).write_text(json.dumps(row) + "\n")
+        assert step() == 30  # rank 0's newest row
+    finally:
+        exporter.close()
