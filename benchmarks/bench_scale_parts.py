@@ -174,6 +174,8 @@ def run_dir_rows(nodes: int, per_node: int, extra_events: int, reps: int) -> lis
         follower = RunFollower(run_dir)
         follower.update()  # caught up: a poll reads only what was appended since
         node = "n0000"
+        with _as_node(node):
+            beat = Heartbeat(run_dir, 0, 1, 1.0)  # a rank's writer, as every interval_s
         cases: list[tuple[str, Callable[[], Any], Callable[[Any], str]]] = [
             ("status", lambda: render(run_dir), lambda s: f"{len(s.splitlines())} lines"),
             ("report", lambda: write_report(run_dir, os.path.join(base, "rep")),
@@ -182,6 +184,8 @@ def run_dir_rows(nodes: int, per_node: int, extra_events: int, reps: int) -> lis
              lambda log: f"{len(log.events)} events"),
             ("journal: poll by offset", follower.update, lambda _: "nothing new"),
             ("supervisors: every file", lambda: supervisors(run_dir), lambda s: f"{len(s)} files"),
+            ("heartbeats: one rank's write", lambda: beat.beat(1000, force=True),
+             lambda _: "write_record: a temporary file renamed"),
             ("heartbeats: one node", lambda: read_heartbeats(run_dir, node),
              lambda b: f"{len(b)} ranks"),
             ("heartbeats: every node", lambda: read_heartbeats(run_dir),
