@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # s3_server: the tests' moto helpers
 
 from launch.nodes import IN_ATTEMPT, Peers  # noqa: E402
 from orchestrator.heartbeat import Heartbeat, read_heartbeats  # noqa: E402
-from orchestrator.journal import Journal, read_events  # noqa: E402
+from orchestrator.journal import Journal, JournalTail, read_events  # noqa: E402
 from orchestrator.protocol import ENV_NODE, METRICS_NAME, SUPERVISORS_DIR  # noqa: E402
 
 COUNTS: Counter[str] = Counter()
@@ -171,6 +171,8 @@ def run_dir_rows(nodes: int, per_node: int, extra_events: int, reps: int) -> lis
         t0 = time.perf_counter()
         build_run(run_dir, nodes, per_node, extra_events)
         built_s = time.perf_counter() - t0
+        tail = JournalTail(run_dir)  # status --follow: each screen reads what was appended
+        tail.update()
         follower = RunFollower(run_dir)
         follower.update()  # caught up: a poll reads only what was appended since
         node = "n0000"
@@ -178,6 +180,8 @@ def run_dir_rows(nodes: int, per_node: int, extra_events: int, reps: int) -> lis
             beat = Heartbeat(run_dir, 0, 1, 1.0)  # a rank's writer, as every interval_s
         cases: list[tuple[str, Callable[[], Any], Callable[[Any], str]]] = [
             ("status", lambda: render(run_dir), lambda s: f"{len(s.splitlines())} lines"),
+            ("status --follow: a later screen", lambda: render(run_dir, log=tail.update()),
+             lambda s: f"{len(s.splitlines())} lines"),
             ("report", lambda: write_report(run_dir, os.path.join(base, "rep")),
              lambda r: f"{len(Path(r[0]).read_text().splitlines())} md lines"),
             ("journal: full read", lambda: read_events(run_dir),

@@ -26,7 +26,7 @@ from orchestrator.events import (
 from orchestrator.goodput import ledger
 from orchestrator.goodput_inplace import summary
 from orchestrator.heartbeat import STEP_PHASES, progress_time, read_heartbeats
-from orchestrator.journal import read_events, read_metrics
+from orchestrator.journal import JournalTail, read_events, read_metrics
 from orchestrator.layout import SnapshotLayout, default_url
 from orchestrator.policy import load_policy
 from orchestrator.protocol import POLICY_NAME
@@ -39,13 +39,14 @@ NEED_A_LOOK = 10  # nodes (ranks) listed under a summary, the most urgent first
 QUIET_S = 30.0  # a running supervisor whose file is older than this is listed as quiet
 
 
-def render(run_dir: str, every: bool = False) -> str:
+def render(run_dir: str, every: bool = False, log: EventLog | None = None) -> str:
     """The screen: every node's supervisor and every rank's heartbeat when ``every`` or
-    when there are few, else a summary of them and the ones that need a look."""
+    when there are few, else a summary of them and the ones that need a look. ``log``:
+    the journal's events when the caller has them (read as it grows), else read here."""
     run_dir = os.path.abspath(run_dir)
     if not os.path.isdir(run_dir):
         return f"{run_dir}: no such run directory"
-    log = read_events(run_dir)
+    log = read_events(run_dir) if log is None else log
     events = log.events
     lines = [f"run {run_dir}", *_journal_lines(log), _counts_line(events)]
     lines += _goodput_lines(events, read_metrics(run_dir))
@@ -262,14 +263,16 @@ def _brief(e: Event[Any]) -> str:
 def follow(run_dir: str, interval: float = 2.0, every: bool = False) -> int:
     """Redraw the status in place every ``interval`` seconds until every node's supervisor
     has exited (or Ctrl-C)."""
+    tail = JournalTail(os.path.abspath(run_dir))  # each look reads what was appended
     try:
         while True:
-            screen = render(run_dir, every)
+            log = tail.update()
+            screen = render(run_dir, every, log)
             print("\x1b[H\x1b[2J" + screen, flush=True)  # home, clear: refresh in place
             sups = supervisors(run_dir)
             if sups and all(s.get("state") == "exited" for s in sups):
                 return 0  # every node's supervisor has stopped
-            if not sups and read_events(run_dir).of(SupervisorExit):
+            if not sups and log.of(SupervisorExit):
                 return 0  # a run directory from before the supervisors' files
             time.sleep(interval)
     except KeyboardInterrupt:

@@ -20,10 +20,10 @@ from conftest import run
 from launch.exporter import Exporter
 from launch.nodes import IN_ATTEMPT, Peers
 from launch.report import load, markdown, timeline
-from launch.status import EACH_NODE_UP_TO, NEED_A_LOOK, render
+from launch.status import EACH_NODE_UP_TO, NEED_A_LOOK, follow, render
 from orchestrator.errors import PersistError
 from orchestrator.heartbeat import Heartbeat
-from orchestrator.journal import Journal
+from orchestrator.journal import Journal, JournalTail, read_events
 from orchestrator.manifest import step_dir
 from orchestrator.protocol import ENV_NODE, METRICS_NAME
 from orchestrator.store import DurableStore
@@ -154,3 +154,40 @@ def test_the_exporter_reads_its_own_nodes_heartbeats_and_rank_0s_metrics(
         assert step() == 30  # rank 0's newest row
     finally:
         exporter.close()
+
+
+def test_status_follow_reads_the_journal_as_it_grows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`status --follow` parses only what was appended since its last look; what it holds
+    is what a full read gives (a line still being written counted once it ends)."""
+    many_nodes(tmp_path, monkeypatch)
+
+    def same(tail: JournalTail) -> None:
+        full, got = read_events(str(tmp_path)), tail.update()
+        assert [(e.time, e.kind, e.rank) for e in got.events] == [
+            (e.time, e.kind, e.rank) for e in full.events
+        ]
+        assert (got.damaged, got.unknown) == (full.damaged, full.unknown)
+
+    tail = JournalTail(str(tmp_path))
+    same(tail)
+    assert (
+        render(str(tmp_path), log=tail.update()).splitlines()[1]
+        == (render(str(tmp_path)).splitlines()[1])
+    )  # the counts line: restarts 1, attempt 1
+    Journal(str(tmp_path), -1, 1).write("attempt_end", 30, {"outcome": "ok", "node": "n0009"})
+    n3 = tmp_path / "journal" / "n0003.jsonl"
+    with n3.open("a") as f:
+        f.write('{"time": 1e10, "kind": "hang", "step')  # being written
+    got = tail.update()
+    assert [e.kind for e in got.events].count("attempt_end") == 1 and not got.damaged
+    with n3.open("a") as f:
+        f.write("\n" + '{"kind": ' + "\n")  # that line torn for good, then a damaged one
+    same(tail)
+    assert len(tail.update().damaged) == 2
+    # --follow itself: one screen, summed up, and done once every supervisor has exited.
+    for path in (tmp_path / "supervisors").glob("*.json"):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "state": "exited"}))
+    assert follow(str(tmp_path), 0.01) == 0
+    assert f"nodes {NODES}: running 0, exited {NODES}" in capsys.readouterr().out
