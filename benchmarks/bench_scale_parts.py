@@ -361,9 +361,10 @@ EVIDENCE = {"rank": 8191, "host": "node-1023.cluster", "checks": {
 
 def health_rows(worlds: list[int]) -> list[dict[str, Any]]:
     """One rank's read of every rank's evidence (orchestrator/health.py ``_gather``) from
-    a real TCPStore holding ``world`` of them: a look per key as before (every rank makes
-    ``world`` requests, so the store serves world^2) and one ``check`` of them all as now;
-    then ``multi_get`` of them all, which stays (every rank judges every rank's evidence)."""
+    a real TCPStore holding ``world`` of them: a look per key as before (every rank made
+    ``world`` requests, so the store served world^2); a poll as it was (a ``check`` of every
+    key: O(world) on the store) and as it is (``add`` of a counter: O(1)); then ``multi_get``
+    of them all, which stays (every rank judges every rank's evidence)."""
     value = json.dumps(EVIDENCE)
     return [row for world in worlds for row in _gather_at(world, value)]
 
@@ -380,7 +381,8 @@ def _gather_at(world: int, value: str) -> list[dict[str, Any]]:
     cases: list[tuple[str, Callable[[], Any], int]] = [
         ("health gather: a look per key (before)",
          lambda: [store.check([k]) for k in keys], world),
-        ("health gather: one check of all (now)", lambda: store.check(keys), 1),
+        ("health gather: a poll, check of all (before)", lambda: store.check(keys), 1),
+        ("health gather: a poll, the counter (now)", lambda: store.add("h/1/reported", 0), 1),
         ("health gather: multi_get of all", lambda: store.multi_get(keys), 1),
     ]  # fmt: skip
     rows = []
@@ -390,7 +392,7 @@ def _gather_at(world: int, value: str) -> list[dict[str, Any]]:
         ms = (time.perf_counter() - t0) * 1e3
         note = f"{world * len(value) // 1024} KB to each rank" if "multi_get" in name else ""
         rows.append(
-            {"part": name, "parts": world, "ms": round(ms, 1), "requests": requests,
+            {"part": name, "parts": world, "ms": round(ms, 2), "requests": requests,
              "by_op": {"per rank": requests, "store total": requests * world}, "note": note}
         )  # fmt: skip
     return rows
