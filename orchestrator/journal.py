@@ -290,26 +290,31 @@ class JournalTail:
     appended since the last one (per file, from where it stopped), so a reader that looks
     again and again (``orchestrator status --follow``) reads each byte once, not the whole
     journal at every look (docs/scale.md). A last line still being written waits for its
-    end (a full read counts it as damaged); a file that shrank was replaced: all is read
-    again."""
+    end (a full read counts it as damaged). A file that shrank, vanished or is another
+    file now (the run directory archived and started again) makes it read all again."""
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
-        self.log = EventLog()
-        self._at: dict[str, tuple[int, int]] = {}  # path -> (bytes read, lines read)
+        self._reset()
 
     def _reset(self) -> None:
-        self.log, self._at = EventLog(), {}
+        self.log = EventLog()
+        # path -> ((st_dev, st_ino) of the file read, bytes read, lines read)
+        self._at: dict[str, tuple[tuple[int, int], int, int]] = {}
 
     def update(self) -> EventLog:
-        """The events so far, merged by time (the same object, grown)."""
+        """The events so far, merged by time."""
         grew = False
-        for path in journal_files(self.run_dir):
-            offset, n = self._at.get(path, (0, 0))
+        paths = journal_files(self.run_dir)
+        if not self._at.keys() <= set(paths):  # one vanished: the journal is another now
+            self._reset()
+        for path in paths:
             try:
                 with open(path, "rb") as f:
-                    if os.fstat(f.fileno()).st_size < offset:  # replaced: start over
-                        self._reset()
+                    st = os.fstat(f.fileno())
+                    ident, offset, n = self._at.get(path, ((st.st_dev, st.st_ino), 0, 0))
+                    if ident != (st.st_dev, st.st_ino) or st.st_size < offset:
+                        self._reset()  # replaced: start over
                         return self.update()
                     f.seek(offset)
                     data = f.read()
@@ -322,7 +327,7 @@ class JournalTail:
                 if line.strip():
                     self.log.add(_json_or_none(line), f"{where}:{n}")
                     grew = True
-            self._at[path] = (offset + len(whole), n)
+            self._at[path] = (ident, offset + len(whole), n)
         if grew:
             self.log.events.sort(key=lambda e: e.time)  # stable, as read_events
         return self.log

@@ -186,6 +186,12 @@ def test_status_follow_reads_the_journal_as_it_grows(
         f.write("\n" + '{"kind": ' + "\n")  # that line torn for good, then a damaged one
     same(tail)
     assert len(tail.update().damaged) == 2
+    n3.unlink()  # a node's file gone, another replaced: read again, as a full read
+    n4 = tmp_path / "journal" / "n0004.jsonl"
+    lines = n4.read_text().splitlines(keepends=True)
+    n4.unlink()
+    n4.write_text("".join(lines[:1]))
+    same(tail)
     # --follow itself: one screen, summed up, and done once every supervisor has exited.
     for path in (tmp_path / "supervisors").glob("*.json"):
         path.write_text(json.dumps({**json.loads(path.read_text()), "state": "exited"}))
