@@ -39,7 +39,8 @@ sys.path.insert(0, str(ROOT / "tests"))  # s3_server: the tests' moto helpers
 
 from launch.nodes import IN_ATTEMPT, Peers  # noqa: E402
 from orchestrator.heartbeat import Heartbeat, read_heartbeats  # noqa: E402
-from orchestrator.journal import Journal, JournalTail, read_events  # noqa: E402
+from orchestrator.journal import Journal, read_events  # noqa: E402
+from orchestrator.journal_tail import JournalTail  # noqa: E402
 from orchestrator.protocol import ENV_NODE, METRICS_NAME, SUPERVISORS_DIR  # noqa: E402
 
 COUNTS: Counter[str] = Counter()

@@ -26,7 +26,8 @@ from orchestrator.events import (
 from orchestrator.goodput import ledger
 from orchestrator.goodput_inplace import summary
 from orchestrator.heartbeat import STEP_PHASES, progress_time, read_heartbeats
-from orchestrator.journal import JournalTail, read_events, read_metrics
+from orchestrator.journal import read_events, read_metrics
+from orchestrator.journal_tail import JournalTail
 from orchestrator.layout import SnapshotLayout, default_url
 from orchestrator.policy import load_policy
 from orchestrator.protocol import POLICY_NAME

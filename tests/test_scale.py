@@ -23,7 +23,8 @@ from launch.report import load, markdown, timeline
 from launch.status import EACH_NODE_UP_TO, NEED_A_LOOK, follow, render
 from orchestrator.errors import PersistError
 from orchestrator.heartbeat import Heartbeat
-from orchestrator.journal import Journal, JournalTail, read_events
+from orchestrator.journal import Journal, read_events
+from orchestrator.journal_tail import JournalTail
 from orchestrator.manifest import step_dir
 from orchestrator.protocol import ENV_NODE, METRICS_NAME
 from orchestrator.store import DurableStore
