@@ -198,3 +198,18 @@ def test_status_follow_reads_the_journal_as_it_grows(
         path.write_text(json.dumps({**json.loads(path.read_text()), "state": "exited"}))
     assert follow(str(tmp_path), 0.01) == 0
     assert f"nodes {NODES}: running 0, exited {NODES}" in capsys.readouterr().out
+
+
+def test_the_scale_benchmark_runs(s3_endpoint: str) -> None:
+    """benchmarks/bench_scale_parts.py at a tiny size (docs/scale.md's numbers come from it:
+    its writers and readers must keep up with the code's)."""
+    args = ["--nodes", "20", "--ranks-per-node", "4", "--parts", "8", "--commit-max", "8",
+            "--health-worlds", "8", "--reps", "1", "--json"]  # fmt: skip
+    r = run([sys.executable, "benchmarks/bench_scale_parts.py", *args], timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:]
+    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    by = {row["part"]: row for row in rows}
+    assert by["status"]["opens"] >= 20 * (2 + 4), by  # journals, supervisors, heartbeats
+    assert int(by["status"]["note"].split()[0]) < 40, by  # summed up, not a line each
+    assert by["commit, every part there"]["by_op"]["list_objects_v2"] == 1, by
+    assert by["health gather: a look per key (before)"]["requests"] == 8, by
