@@ -206,8 +206,8 @@ def _status(args: argparse.Namespace) -> int:
         print(f"{args.run_dir}: no such run directory", file=sys.stderr)
         return EXIT_INVALID
     if args.follow:
-        return follow(args.run_dir, args.interval)
-    print(render(args.run_dir))
+        return follow(args.run_dir, args.interval, args.all)
+    print(render(args.run_dir, args.all))
     return 0
 
 
@@ -339,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--follow", action="store_true", help="refresh in place until the run ends")
     st.add_argument(
         "--interval", type=_positive(float), default=2.0, help="seconds between refreshes"
+    )
+    st.add_argument(
+        "--all",
+        action="store_true",
+        help="a line for every node and rank (by default many are summed up, and only "
+        "those that need a look are listed)",
     )
     st.set_defaults(func=_status)
     rp = sub.add_parser(

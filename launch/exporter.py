@@ -157,6 +157,15 @@ class Exporter:
         self._ledger = (now, size, led)
         return led
 
+    def _step(self) -> int:
+        """The newest step of this node's ranks (their heartbeats) and of rank 0's metrics:
+        every node's heartbeats, read at every scrape of every node's endpoint, were
+        N x N x ranks opens a scrape interval (docs/scale.md)."""
+        beats = read_heartbeats(self.run.run_dir, self.node)
+        row = self.run.last_row
+        steps = [int(b["step"]) for b in beats] + ([int(row["step"])] if row else [])
+        return max(steps, default=0)
+
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -191,9 +200,7 @@ class Exporter:
             yield counter("alerts", "Alerts sent so far.", count.get("alert", 0))
             attempts = [e.attempt for e in events if isinstance(e.record, AttemptStart)]
             yield gauge("attempt", "The current attempt.", max(attempts, default=0))
-            beats = read_heartbeats(self.run.run_dir)
-            yield gauge("step", "The newest step a rank reached.", max(
-                (int(b["step"]) for b in beats), default=0))  # fmt: skip
+            yield gauge("step", "The newest step a rank reached.", self._step())
             row = self.run.last_row
             if row is not None and row.get("step_s") is not None:
                 yield gauge("step_seconds", "The last step's time.", float(row["step_s"]))

@@ -17,6 +17,7 @@ import itertools
 import os
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,9 +89,18 @@ def hang_evidence(d: dict[str, Any]) -> str:
     return said
 
 
+# Every node's supervisor journals the job's restart: past this many nodes in one attempt, a
+# restart is one row per cause (the first node to say it, and how many others did), and the
+# totals name the first nodes only. 1,024 nodes would otherwise be 1,024 rows (docs/scale.md).
+EACH_NODE_UP_TO = 16
+
+
 def timeline(rec: RunRecord) -> list[tuple[str, Any, str, str, str]]:
     """(time, step, event, evidence, action) rows, oldest first."""
     rows = []
+    per_attempt = Counter(e.attempt for e in rec.of(Restart))
+    per_cause = Counter((e.attempt, e.record.cause, e.record.returncode) for e in rec.of(Restart))
+    said: set[tuple[int, str | None, int | None]] = set()
     recovered = {e.record.incident_step: e.record.incident for e in rec.of(Recovered)}
     diagnoses = {e.record.incident_step: e.record for e in rec.of(Diagnosis)}
     for e in rec.events:
@@ -101,13 +111,20 @@ def timeline(rec: RunRecord) -> list[tuple[str, Any, str, str, str]]:
             action = _incident_action(recovered.get(e.step))
             rows.append((when, e.step, "incident", evidence, action))
         elif isinstance(r, Restart):
+            cause = (e.attempt, r.cause, r.returncode)
+            many = per_attempt[e.attempt] > EACH_NODE_UP_TO
+            if many and cause in said:
+                continue  # said once, with how many nodes said it
+            said.add(cause)
+            where = f" on {r.node}" if "node" in d else ""
+            if many and per_cause[cause] > 1:
+                where += f" and {per_cause[cause] - 1} other nodes"
             rows.append(
                 (
                     when,
                     e.step,
                     "restart",
-                    f"attempt ended: {r.cause} (exit {r.returncode})"
-                    + (f" on {r.node}" if "node" in d else ""),
+                    f"attempt ended: {r.cause} (exit {r.returncode}){where}",
                     f"attempt {r.next_attempt} after {r.delay_s} s",
                 )
             )
@@ -221,7 +238,10 @@ def markdown(run_dir: str, rec: RunRecord, png: str | None, why_no_png: str | No
         + " |",
     ]
     if t["nodes"]:  # under the supervisor
-        out += [f"| nodes | {len(t['nodes'])}: {', '.join(t['nodes'])} |"]
+        names = t["nodes"]
+        if len(names) > EACH_NODE_UP_TO:
+            names = [*names[: EACH_NODE_UP_TO // 2], "...", names[-1]]
+        out += [f"| nodes | {len(t['nodes'])}: {', '.join(names)} |"]
     gaps = metric_gaps(sorted({int(m["step"]) for m in rec.metrics}))
     if gaps:  # rows lost when a process died with them buffered: the plot breaks there
         spans = ", ".join(f"{a + 1}-{b - 1}" for a, b in gaps)

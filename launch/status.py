@@ -25,24 +25,38 @@ from orchestrator.events import (
 )
 from orchestrator.goodput import ledger
 from orchestrator.goodput_inplace import summary
-from orchestrator.heartbeat import progress_time, read_heartbeats
+from orchestrator.heartbeat import STEP_PHASES, progress_time, read_heartbeats
 from orchestrator.journal import read_events, read_metrics
+from orchestrator.journal_tail import JournalTail
 from orchestrator.layout import SnapshotLayout, default_url
 from orchestrator.policy import load_policy
 from orchestrator.protocol import POLICY_NAME
 
+# Past this many nodes (ranks) the screen shows a summary and only those that need a look,
+# not one line each: 1,024 nodes of 8 ranks would be 9,000 lines (docs/scale.md). ``--all``
+# shows every one.
+EACH_NODE_UP_TO, EACH_RANK_UP_TO = 16, 64
+NEED_A_LOOK = 10  # nodes (ranks) listed under a summary, the most urgent first
+QUIET_S = 30.0  # a running supervisor whose file is older than this is listed as quiet
 
-def render(run_dir: str) -> str:
+
+def render(run_dir: str, every: bool = False, log: EventLog | None = None) -> str:
+    """The screen: every node's supervisor and every rank's heartbeat when ``every`` or
+    when there are few, else a summary of them and the ones that need a look. ``log``:
+    the journal's events when the caller has them (read as it grows), else read here."""
     run_dir = os.path.abspath(run_dir)
     if not os.path.isdir(run_dir):
         return f"{run_dir}: no such run directory"
-    log = read_events(run_dir)
+    log = read_events(run_dir) if log is None else log
     events = log.events
     lines = [f"run {run_dir}", *_journal_lines(log), _counts_line(events)]
     lines += _goodput_lines(events, read_metrics(run_dir))
     lines += _last_word(events)
-    lines += _supervisor_lines(supervisors(run_dir))
-    lines += _heartbeat_lines(read_heartbeats(run_dir))
+    sups, beats = supervisors(run_dir), read_heartbeats(run_dir)
+    few = every or len(sups) <= EACH_NODE_UP_TO
+    lines += _supervisor_lines(sups) if few else _supervisor_summary(sups)
+    few = every or len(beats) <= EACH_RANK_UP_TO
+    lines += _heartbeat_lines(beats) if few else _heartbeat_summary(beats)
     lines.append(_snapshots_line(run_dir))
     lines += _inplace_lines(events)
     shown = ("incident", "restart", "hang", "gave_up", "rank_replaced", "inplace_failed")
@@ -146,6 +160,63 @@ def _supervisor_lines(sups: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _supervisor_summary(sups: list[dict[str, Any]]) -> list[str]:
+    """Many nodes: how many run and how many exited (by code), then the table's rows of
+    those that need a look: exited other than 0, then running but quiet, oldest first."""
+    now = time.time()
+    running = [s for s in sups if s.get("state") != "exited"]
+    quiet = sorted(
+        (s for s in running if now - float(s.get("time", 0)) >= QUIET_S),
+        key=lambda s: float(s.get("time", 0)),
+    )
+    codes = Counter(str(s.get("exit_code")) for s in sups if s.get("state") == "exited")
+    failed = [s for s in sups if s.get("state") == "exited" and s.get("exit_code") != 0]
+    said = f"  nodes {len(sups)}: running {len(running)}"
+    if quiet:
+        said += f" ({len(quiet)} quiet: no beat for {QUIET_S:.0f} s or more)"
+    if codes:
+        by_code = ", ".join(f"code {c}: {n}" for c, n in sorted(codes.items()))
+        said += f", exited {sum(codes.values())} ({by_code})"
+    look = failed + quiet
+    return [said, *_supervisor_lines(look[:NEED_A_LOOK]), *_more(len(look), "node")]
+
+
+def _more(listed: int, what: str) -> list[str]:
+    """The line that says how many were left out of a summary's list, and how to see them."""
+    left = listed - NEED_A_LOOK
+    if left <= 0:
+        return []
+    return [f"  ... and {left} more (orchestrator status --all: every {what})"]
+
+
+def _heartbeat_summary(beats: list[dict[str, Any]]) -> list[str]:
+    """Many ranks: their attempts, steps and phases counted, then the table's rows of the
+    ranks furthest behind (an older attempt, an earlier step or phase: a hang's suspects),
+    the oldest progress first among equals."""
+    now = time.time()
+    steps = [int(b["step"]) for b in beats]
+    phases = Counter(str(b.get("phase", "")) for b in beats)
+    attempts = Counter(int(b["attempt"]) for b in beats)
+    by_age = sorted(beats, key=progress_time)
+    behind = sorted(beats, key=lambda b: (int(b["attempt"]), int(b["step"]),
+                                          _phase_at(b), progress_time(b)))  # fmt: skip
+    lines = [
+        f"  ranks {len(beats)}: attempt "
+        + ", ".join(f"{a} ({n})" for a, n in sorted(attempts.items()))
+        + f"; steps {min(steps)} to {max(steps)}; "
+        + ", ".join(f"{p} {n}" for p, n in phases.most_common())
+        + f"; progress {now - progress_time(by_age[-1]):.1f} s to "
+        f"{now - progress_time(by_age[0]):.1f} s ago; furthest behind:"
+    ]
+    return lines + _heartbeat_lines(behind[:NEED_A_LOOK]) + _more(len(beats), "rank")
+
+
+def _phase_at(beat: dict[str, Any]) -> int:
+    """Where in the step a rank is (after the step's phases: anything else)."""
+    phase = beat.get("phase")
+    return STEP_PHASES.index(phase) if phase in STEP_PHASES else len(STEP_PHASES)
+
+
 def _heartbeat_lines(beats: list[dict[str, Any]]) -> list[str]:
     """A table of each rank's latest heartbeat: attempt, step, phase, age of its progress."""
     if not beats:
@@ -190,17 +261,19 @@ def _brief(e: Event[Any]) -> str:
     return said
 
 
-def follow(run_dir: str, interval: float = 2.0) -> int:
+def follow(run_dir: str, interval: float = 2.0, every: bool = False) -> int:
     """Redraw the status in place every ``interval`` seconds until every node's supervisor
     has exited (or Ctrl-C)."""
+    tail = JournalTail(os.path.abspath(run_dir))  # each look reads what was appended
     try:
         while True:
-            screen = render(run_dir)
+            log = tail.update()
+            screen = render(run_dir, every, log)
             print("\x1b[H\x1b[2J" + screen, flush=True)  # home, clear: refresh in place
             sups = supervisors(run_dir)
             if sups and all(s.get("state") == "exited" for s in sups):
                 return 0  # every node's supervisor has stopped
-            if not sups and read_events(run_dir).of(SupervisorExit):
+            if not sups and log.of(SupervisorExit):
                 return 0  # a run directory from before the supervisors' files
             time.sleep(interval)
     except KeyboardInterrupt:

@@ -305,13 +305,20 @@ class HealthChecker(HealthChecks, HealthVerdict):
             if self._store is None:
                 raise RuntimeError("no store to exchange the evidence through")
             self._store.set(keys[me], json.dumps(mine))
-            # Polled, never store.wait(timeout): a client's wait that timed out leaves the
-            # server's answer on its socket, to be read as the answer to a later request.
-            pause = 0.005
-            while not self._store.check(keys) and time.monotonic() < deadline:
+            # Counted as they come: a poll reads one number, where a check of every key
+            # costs the one store O(world), from every rank (docs/scale.md). Polled, never
+            # store.wait(timeout): a client's wait that timed out leaves the server's answer
+            # on its socket, to be read as the answer to a later request.
+            count = f"{self._prefix}/{self._round}/reported"
+            reported, pause = self._store.add(count, 1), 0.005
+            while reported < world and time.monotonic() < deadline:
                 time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
                 pause = min(2 * pause, _STORE_POLL_MAX_S)
-            present = [k for k in keys if self._store.check([k])]
+                reported = self._store.add(count, 0)
+            every = reported >= world and self._store.check(keys)  # once, to be sure
+            # A look per key only when some are missing: from every rank, that is world^2
+            # requests on the one store.
+            present = keys if every else [k for k in keys if self._store.check([k])]
             values = dict(zip(present, self._store.multi_get(present), strict=True))
         except Exception as err:  # only this rank's own view is known
             mine["checks"]["gather"] = {"ok": False, "error": f"{type(err).__name__}: {err}"[:300]}

@@ -206,9 +206,10 @@ class DurableStore(SnapshotLayout):
         parts: dict[int, tuple[dict[str, Any], str]] = {}  # rank -> (its index, its sha256)
         while len(parts) < len(expected):
             self._fresh()
+            there = self._names(d)  # one listing a round, not a look per part (docs/scale.md)
             for r in expected:
                 path = self.path(d, f"rank_{r}.json")
-                if r not in parts and self.fs.exists(path):
+                if r not in parts and f"rank_{r}.json" in there:
                     found = self._read_json_or_none(path)
                     if found is not None and found[0].get("nonce") == nonce:
                         parts[r] = found
@@ -243,6 +244,16 @@ class DurableStore(SnapshotLayout):
         with self.fs.open(self.path(d, MARKER), "w") as f:
             f.write(str(step))
         return manifest
+
+    def _names(self, d: str) -> set[str]:
+        """The names in the step folder ``d`` (none before the first part makes it): one
+        listing, 2 x ranks / 1,000 LIST pages on S3, where asking for each part took a
+        HEAD, and a LIST more for each part not there yet, every round."""
+        try:
+            listed = self.fs.ls(self.path(d), detail=False)
+        except FileNotFoundError:
+            return set()
+        return {str(p).rstrip("/").rsplit("/", 1)[-1] for p in listed}
 
     def load_part(self, step: int, rank: int) -> dict[str, Any]:
         """The state tree of one rank's part (only call after validate_files)."""
