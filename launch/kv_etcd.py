@@ -21,7 +21,8 @@ gets/s measured; across a network one round trip more per call, twice the latenc
   stopped or unreachable etcd raises :class:`StoreError` naming each endpoint and what
   failed there.
 
-Plain HTTP only: an etcd that requires TLS client certificates is not reachable this way.
+etcd 3.4 or later (the gateway's ``/v3/`` paths; 3.3 served ``/v3beta/``). Plain HTTP
+only: an etcd that requires TLS client certificates is not reachable this way.
 """
 
 from __future__ import annotations
@@ -91,7 +92,9 @@ class EtcdKV:
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         if not expected:  # a missing key matches b"": its mod_revision is 0
-            return self._update(key, lambda old: desired if not old else None, guess=(None, 0))
+            return self._update(
+                key, lambda old: desired if not old else None, guess=(None, 0), idempotent=True
+            )
         k = self._key(key)
         body = {
             "compare": [{"key": k, "target": "VALUE", "result": "EQUAL", "value": _b64(expected)}],
@@ -138,12 +141,15 @@ class EtcdKV:
         key: str,
         change: Callable[[bytes | None], bytes | None],
         guess: tuple[bytes | None, int] | None = None,
+        idempotent: bool = False,
     ) -> bytes:
         """Put ``change(old)`` if the key's revision is still the one ``old`` was read at
         (``change`` returning None: leave it); the value the key holds afterwards.
 
         Starts from what this client last wrote there (else ``guess``, else "missing"): a
-        wrong start costs one conflict, whose failure branch reads the key back."""
+        wrong start costs one conflict, whose failure branch reads the key back.
+        ``idempotent``: whether putting it twice leaves what putting it once does (see
+        ``_post``): true of compare_set, not of add and append."""
         k = self._key(key)
         with self._lock:
             old, revision = guess or self._seen.get(key, (None, 0))
@@ -160,12 +166,12 @@ class EtcdKV:
                     "success": [{"request_put": {"key": k, "value": _b64(new)}}],
                     "failure": [{"request_range": {"key": k}}],
                 }
-                answer = self._post("/v3/kv/txn", body, deadline, idempotent=guess is not None)
+                answer = self._post("/v3/kv/txn", body, deadline, idempotent=idempotent)
                 if answer.get("succeeded"):
                     self._seen[key] = (new, int(answer["header"]["revision"]))
                     return new
                 kvs = answer["responses"][0]["response_range"].get("kvs")
-                old, revision = _value(kvs), int(kvs[0]["mod_revision"]) if kvs else 0
+                old, revision = _value(kvs), (int(kvs[0]["mod_revision"]) if kvs else 0)
                 self._seen.pop(key, None)
                 conflicts += 1
                 if time.monotonic() > deadline:
@@ -215,8 +221,12 @@ class EtcdKV:
                     ) from err
                 continue
             if status == 200:
+                try:
+                    answer: dict[str, Any] = json.loads(reply)
+                except ValueError:
+                    failed.append(f"{self._names[i]}: {path}: not etcd's answer: {reply[:80]!r}")
+                    continue
                 self._current = i
-                answer: dict[str, Any] = json.loads(reply)
                 return answer
             failed.append(f"{self._names[i]}: {path}: HTTP {status}: {_etcd_error(reply)}")
             if not idempotent:

@@ -47,7 +47,8 @@ class Server:
                 text=True,
             )
             assert self.proc.stdout is not None
-            assert self.proc.stdout.readline().strip() == "serving", f"port {self.port} taken"
+            said = self.proc.stdout.readline().strip()  # "taken", or "" if it failed
+            assert said == "serving", f"no TCPStore on port {self.port}: {said or 'it died'}"
         else:
             self.proc = _start_etcd(tmp, [self.port])[0]
 
