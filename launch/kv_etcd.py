@@ -13,13 +13,21 @@ gets/s measured; across a network one round trip more per call, twice the latenc
   conflict costs one more round trip, not two. A conflict is retried, with jittered backoff
   past the first few, until the call's ``timeout_s``.
 - Several endpoints (etcd is highly available by itself): a call goes to the one that last
-  answered and moves to the next when it cannot connect. Once a request has been sent, a
-  failure leaves its outcome unknown: reads, ``set`` and ``compare_set`` are repeated on
-  the next endpoint (doing them twice changes nothing), ``add`` and ``append`` are not (an
-  ``add`` applied twice would count a node twice): they raise :class:`StoreError`.
-- Every call has ``timeout_s`` in all, shared among the endpoints it tries; a dead,
-  stopped or unreachable etcd raises :class:`StoreError` naming each endpoint and what
-  failed there.
+  answered and moves on to the next when it cannot connect or gets no answer. A request
+  that got no answer may have been applied all the same; sending it again must not apply
+  it twice (an ``add`` counted twice would count a node twice). Reads and ``set`` are the
+  same done twice; a write transaction also puts its number in this client's own marker
+  key (``<prefix>.kv_etcd/<client id>``), and a copy whose compare fails reads the marker:
+  its own number there says the first copy was applied. Exactly once, at the cost of one
+  small key per client.
+- Every call has ``timeout_s`` in all; it goes round the endpoints until then, each try
+  with an equal share of the round's time left. A dead, stopped or unreachable etcd
+  raises :class:`StoreError` naming each endpoint and what last failed there.
+- A member whose leader dies answers the writes sent to it then only at etcd's request
+  timeout (5 s + 2 election timeouts: 6 s measured with ``--election-timeout 500``, 7 s
+  with the default 1000), while the others have a new leader within an election
+  timeout or two. So with several endpoints, ``timeout_s`` should leave the second one
+  at least that: more than twice the election timeout (4 s with etcd's defaults).
 
 etcd 3.4 or later (the gateway's ``/v3/`` paths; 3.3 served ``/v3beta/``). Plain HTTP
 only: an etcd that requires TLS client certificates is not reachable this way.
@@ -35,6 +43,7 @@ import select
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,6 +77,8 @@ class EtcdKV:
         # Each key this client last wrote by compare-and-put, and the revision it wrote it
         # at: its next add starts from there (one round trip while no one else writes it).
         self._seen: dict[str, tuple[bytes | None, int]] = {}
+        self._marker = _b64(self._prefix + f".kv_etcd/{uuid.uuid4().hex}".encode())
+        self._writes = 0  # numbers this client's write transactions
 
     # -- the KV protocol -------------------------------------------------------------
 
@@ -92,20 +103,12 @@ class EtcdKV:
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         if not expected:  # a missing key matches b"": its mod_revision is 0
-            return self._update(
-                key, lambda old: desired if not old else None, guess=(None, 0), idempotent=True
-            )
+            return self._update(key, lambda old: desired if not old else None, guess=(None, 0))
         k = self._key(key)
-        body = {
-            "compare": [{"key": k, "target": "VALUE", "result": "EQUAL", "value": _b64(expected)}],
-            "success": [{"request_put": {"key": k, "value": _b64(desired)}}],
-            "failure": [{"request_range": {"key": k}}],
-        }
+        compare = {"key": k, "target": "VALUE", "result": "EQUAL", "value": _b64(expected)}
         with self._lock:
-            answer = self._post("/v3/kv/txn", body, self._deadline())
-        if answer.get("succeeded"):
-            return desired
-        return _value(answer["responses"][0]["response_range"].get("kvs")) or b""
+            applied, kvs = self._write(k, compare, desired, self._deadline())
+        return desired if applied else (_value(kvs) or b"")
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
         """One transaction of range requests per ``MAX_TXN_OPS`` keys, the later ones read
@@ -141,38 +144,28 @@ class EtcdKV:
         key: str,
         change: Callable[[bytes | None], bytes | None],
         guess: tuple[bytes | None, int] | None = None,
-        idempotent: bool = False,
     ) -> bytes:
         """Put ``change(old)`` if the key's revision is still the one ``old`` was read at
         (``change`` returning None: leave it); the value the key holds afterwards.
 
         Starts from what this client last wrote there (else ``guess``, else "missing"): a
-        wrong start costs one conflict, whose failure branch reads the key back.
-        ``idempotent``: whether putting it twice leaves what putting it once does (see
-        ``_post``): true of compare_set, not of add and append."""
+        wrong start costs one conflict, whose failure branch reads the key back."""
         k = self._key(key)
         with self._lock:
-            old, revision = guess or self._seen.get(key, (None, 0))
+            old, revision = guess or self._seen.pop(key, (None, 0))
             deadline = self._deadline()
             conflicts = 0
             while True:
                 new = change(old)
                 if new is None:  # compare_set's mismatch; this read is the answer
                     return old or b""
-                body = {
-                    "compare": [
-                        {"key": k, "target": "MOD", "result": "EQUAL", "mod_revision": revision}
-                    ],
-                    "success": [{"request_put": {"key": k, "value": _b64(new)}}],
-                    "failure": [{"request_range": {"key": k}}],
-                }
-                answer = self._post("/v3/kv/txn", body, deadline, idempotent=idempotent)
-                if answer.get("succeeded"):
-                    self._seen[key] = (new, int(answer["header"]["revision"]))
+                compare = {"key": k, "target": "MOD", "result": "EQUAL", "mod_revision": revision}
+                applied, kvs = self._write(k, compare, new, deadline)
+                if applied:
+                    if kvs:  # the revision it was written at, known when this copy wrote it
+                        self._seen[key] = (new, int(kvs[0]["mod_revision"]))
                     return new
-                kvs = answer["responses"][0]["response_range"].get("kvs")
                 old, revision = _value(kvs), (int(kvs[0]["mod_revision"]) if kvs else 0)
-                self._seen.pop(key, None)
                 conflicts += 1
                 if time.monotonic() > deadline:
                     raise StoreError(
@@ -182,6 +175,31 @@ class EtcdKV:
                 if conflicts > 2:  # many writers at once: spread them out
                     time.sleep(random.uniform(0, min(0.05, 0.001 * 2**conflicts)))
 
+    def _write(
+        self, k: str, compare: dict[str, Any], new: bytes, deadline: float
+    ) -> tuple[bool, list[dict[str, Any]] | None]:
+        """Put ``new`` at ``k`` (base64) if ``compare`` holds, exactly once however many
+        endpoints it is sent to. Whether it was applied, and the key as it is then: as
+        written when this copy wrote it (else None), or as found when it was not."""
+        self._writes += 1
+        number = _b64(str(self._writes).encode())
+        body = {
+            "compare": [compare],
+            "success": [
+                {"request_put": {"key": k, "value": _b64(new)}},
+                {"request_put": {"key": self._marker, "value": number}},
+            ],
+            "failure": [{"request_range": {"key": k}}, {"request_range": {"key": self._marker}}],
+        }
+        answer = self._post("/v3/kv/txn", body, deadline)
+        if answer.get("succeeded"):
+            written = {"mod_revision": answer["header"]["revision"]}
+            return True, [written]
+        found, marker = (r["response_range"].get("kvs") for r in answer["responses"])
+        if marker and marker[0].get("value") == number:  # an earlier copy was applied
+            return True, None
+        return False, found
+
     # -- HTTP ------------------------------------------------------------------------
 
     def _deadline(self) -> float:
@@ -190,51 +208,60 @@ class EtcdKV:
     def _key(self, key: str) -> str:
         return _b64(self._prefix + key.encode())
 
-    def _post(
-        self, path: str, body: dict[str, Any], deadline: float, *, idempotent: bool = True
-    ) -> dict[str, Any]:
-        """POST to the endpoint that last answered, then to the others in turn; each gets
-        an equal share of the time left. The answer's JSON, or StoreError naming them all."""
-        failed: list[str] = []
+    def _post(self, path: str, body: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """POST to the endpoint that last answered, then to the others in turn, round after
+        round until ``deadline`` (a member restarting, an election: etcd answers again in
+        seconds); each try gets an equal share of the round's time left. The answer's
+        JSON, or StoreError naming each endpoint's last failure. A request may reach etcd
+        more than once: every one here may (see ``_write``)."""
+        failed: dict[str, str] = {}
         data = json.dumps(body).encode()
         n = len(self._endpoints)
-        for tried in range(n):
-            i = (self._current + tried) % n
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            share = left / (n - tried)
-            try:
-                conn = self._connection(i, share)
-            except OSError as err:  # never sent: the next endpoint may take it
-                failed.append(f"{self._names[i]}: cannot connect ({_why(err)})")
-                continue
-            try:
-                status, reply = _exchange(conn, path, data, share)
-            except (OSError, http.client.HTTPException) as err:
-                self._drop(i)
-                failed.append(f"{self._names[i]}: {path} got no answer ({_why(err)})")
-                if not idempotent:
-                    raise StoreError(
-                        f"{self.where}: {'; '.join(failed)}; whether it was applied is "
-                        "unknown, so it is not repeated elsewhere"
-                    ) from err
-                continue
-            if status == 200:
-                try:
-                    answer: dict[str, Any] = json.loads(reply)
-                except ValueError:
-                    failed.append(f"{self._names[i]}: {path}: not etcd's answer: {reply[:80]!r}")
-                    continue
+        tries = 0
+        while (left := deadline - time.monotonic()) > 0:
+            i = (self._current + tries) % n
+            share = left / (n - tries % n)
+            tries += 1
+            answer = self._try(i, path, data, share, failed)
+            if answer is not None:
                 self._current = i
                 return answer
-            failed.append(f"{self._names[i]}: {path}: HTTP {status}: {_etcd_error(reply)}")
-            if not idempotent:
-                break
+            if tries % n == 0:  # a round without an answer: let etcd recover, not spin
+                pause = min(0.05 * 2 ** (tries // n), 1.0, deadline - time.monotonic())
+                time.sleep(max(pause, 0.0))
+        reasons = "; ".join(f"{name}: {why}" for name, why in failed.items()) or "no time"
         raise StoreError(
-            f"{self.where}: no endpoint answered {path} within {self._timeout_s}s: "
-            f"{'; '.join(failed) or 'no time left'}. Is etcd running there and reachable?"
+            f"{self.where}: no answer to {path} in {self._timeout_s}s ({tries} tries; last "
+            f"from each: {reasons}). Is etcd running there and reachable?"
         )
+
+    def _try(
+        self, i: int, path: str, data: bytes, timeout_s: float, failed: dict[str, str]
+    ) -> dict[str, Any] | None:
+        """One request to endpoint ``i``: its answer, or None with why in ``failed``."""
+        name = self._names[i]
+        try:
+            conn = self._connection(i, timeout_s)
+        except OSError as err:
+            failed[name] = f"cannot connect ({_why(err)})"
+            return None
+        try:
+            status, reply = _exchange(conn, path, data, timeout_s)
+        except (OSError, http.client.HTTPException) as err:
+            self._drop(i)
+            failed[name] = f"no answer ({_why(err)})"
+            return None
+        if status == 200:
+            try:
+                answer: dict[str, Any] = json.loads(reply)
+                return answer
+            except ValueError:
+                failed[name] = f"not etcd's answer: {reply[:80]!r}"
+                return None
+        if 400 <= status < 500 and status not in (408, 429):  # the request, not the member
+            raise StoreError(f"{self.where}: {name} refused {path}: {_etcd_error(reply)}")
+        failed[name] = f"HTTP {status}: {_etcd_error(reply)}"
+        return None
 
     def _connection(self, i: int, timeout_s: float) -> http.client.HTTPConnection:
         conn = self._conns[i]

@@ -5,13 +5,16 @@ it). Then what only etcd has: several endpoints."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -66,7 +69,9 @@ class Server:
                 pipe.close()
 
 
-def _start_etcd(tmp: Path, ports: list[int]) -> list[subprocess.Popen[str]]:
+def _start_etcd(
+    tmp: Path, ports: list[int], flags: list[str] | None = None
+) -> list[subprocess.Popen[str]]:
     """A cluster of one member per client port, each answering."""
     if shutil.which("etcd") is None:
         pytest.skip("no etcd binary (Debian: apt-get install etcd-server; .ci/run does)")
@@ -78,7 +83,7 @@ def _start_etcd(tmp: Path, ports: list[int]) -> list[subprocess.Popen[str]]:
         cmd = ["etcd", "--name", f"m{i}", "--data-dir", str(tmp / f"m{i}")]
         cmd += ["--listen-client-urls", client, "--advertise-client-urls", client]
         cmd += ["--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer]
-        cmd += ["--initial-cluster", cluster]
+        cmd += ["--initial-cluster", cluster, *(flags or [])]
         with open(tmp / f"m{i}.log", "w") as log:  # the process has its own copy
             members.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + 30
@@ -340,25 +345,93 @@ def test_etcd_a_returned_write_is_seen_at_once(etcd: Server) -> None:
         assert b.multi_get(["log"]) == [b"." * (i + 1)]
 
 
-def test_etcd_survives_a_member_and_raises_without_quorum(tmp_path: Path) -> None:
-    """Three members: one SIGKILLed, the client goes on with the next (add and all);
-    two gone, no quorum: StoreError within the timeout, no hang."""
+def test_etcd_survives_its_leader_and_raises_without_quorum(tmp_path: Path) -> None:
+    """Three members, the client's first endpoint the leader: SIGKILLed, the client goes
+    on with the next members while they elect another (add and all); two members gone,
+    no quorum: StoreError within the timeout, no hang."""
     ports = [free_port() for _ in range(3)]
-    members = _start_etcd(tmp_path, ports)
+    members = _start_etcd(tmp_path, ports, ["--election-timeout", "500"])
     try:
-        kv = EtcdKV([f"127.0.0.1:{p}" for p in ports], "/ha/", LOST_TIMEOUT_S)
+        first = _leader(ports)
+        order = [first] + [i for i in range(3) if i != first]
+        endpoints = [f"127.0.0.1:{ports[i]}" for i in order]
+        kv = EtcdKV(endpoints, "/ha/", 3.0)  # more than an election (0.5 to 1 s here)
         assert kv.add("n", 1) == 1
         kv.set("k", b"v")
-        members[0].kill()
-        members[0].wait(timeout=10)
+        members[first].kill()
+        members[first].wait(timeout=10)
         assert kv.add("n", 1) == 2
         assert kv.multi_get(["k", "n"]) == [b"v", b"2"]
         assert kv.compare_set("k", b"v", b"w") == b"w"
-        members[1].kill()
-        members[1].wait(timeout=10)
-        _raises_in_time(lambda: kv.get("k"))
-        _raises_in_time(lambda: kv.add("n", 1))
+        members[order[1]].kill()
+        members[order[1]].wait(timeout=10)
+        lost = EtcdKV(endpoints, "/ha/", LOST_TIMEOUT_S)
+        _raises_in_time(lambda: lost.get("k"))
+        _raises_in_time(lambda: lost.add("n", 1))
     finally:
         for member in members:
             member.kill()
             member.wait(timeout=10)
+
+
+def _leader(ports: list[int]) -> int:
+    """Which member (index into ``ports``) leads, as the first one says."""
+    statuses = []
+    for port in ports:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v3/maintenance/status", b"{}")
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            statuses.append(json.loads(answer.read()))
+    ids = [status["header"]["member_id"] for status in statuses]
+    return ids.index(statuses[0]["leader"])
+
+
+class _AnswerLost:
+    """Between a client and etcd: hands each request on, lets etcd apply it, and closes
+    the client's connection instead of answering (a member that dies as it answers)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.upstream = upstream_port
+        self.passed = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            with client, socket.create_connection(("127.0.0.1", self.upstream)) as etcd:
+                client.settimeout(5)
+                etcd.settimeout(5)
+                request = client.recv(1 << 20)
+                if not request:
+                    continue
+                etcd.sendall(request)
+                etcd.recv(1 << 20)  # etcd has applied it and answers: the answer is lost
+                self.passed += 1
+
+
+def test_etcd_applies_a_write_once_when_its_answer_is_lost(etcd: Server) -> None:
+    """The first endpoint applies the request and loses the answer; the client sends it
+    again to the second, which finds it applied: each write happens once."""
+    lossy = _AnswerLost(etcd.port)
+    endpoints = [f"127.0.0.1:{lossy.port}", f"127.0.0.1:{etcd.port}"]
+    check = EtcdKV(endpoints[1:], "/once/", TIMEOUT_S)
+    check.set("cas", b"old")
+    writes = [
+        lambda kv: kv.add("n", 5) == 5,
+        lambda kv: kv.append("log", b"x") is None,
+        lambda kv: kv.compare_set("end", b"", b"mine") == b"mine",
+        lambda kv: kv.compare_set("cas", b"old", b"new") == b"new",
+    ]
+    try:
+        for n, write in enumerate(writes, 1):
+            kv = EtcdKV(endpoints, "/once/", TIMEOUT_S)  # new: starts with the lossy one
+            assert write(kv)
+            assert lossy.passed == n  # the first copy went through it, the second did not
+            kv.close()
+        assert check.multi_get(["n", "log", "end", "cas"]) == [b"5", b"x", b"mine", b"new"]
+    finally:
+        lossy.listener.close()
