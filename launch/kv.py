@@ -14,6 +14,8 @@ etcd (launch/kv_etcd.py) implements the same protocol for clusters that run one.
 from __future__ import annotations
 
 import datetime
+import functools
+import socket
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -60,27 +62,52 @@ class TCPKV:
         self.where = f"tcp://{host}:{port}"
         self._lock = threading.Lock()
         self._known: set[str] = set()  # keys seen to exist: keys are never deleted
+        self._timeout_s = timeout_s
+        self._lost = ""  # why a call timed out: its thread may still wait, the rest fail
         if store is None:
             from torch.distributed import TCPStore
 
-            try:
-                store = TCPStore(
-                    host,
-                    port,
-                    is_master=False,
-                    timeout=datetime.timedelta(seconds=timeout_s),
-                    use_libuv=True,
-                )
-            except RuntimeError as err:
-                raise StoreError(f"{self.where}: {_first_line(err)}") from err
+            try:  # torch retries a refused connection past its timeout (up to 3x)
+                socket.create_connection((host, port), timeout_s).close()
+            except OSError as err:
+                raise StoreError(f"{self.where}: {err}") from err
+            connect = functools.partial(
+                TCPStore,
+                host,
+                port,
+                is_master=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                use_libuv=True,
+            )
+            store = self._call(connect)
         self._store = store
 
     def _call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in a thread of its own, waited for ``timeout_s``: torch's client
+        waits for an answer without end (a stopped store, a host gone silent)."""
         with self._lock:
-            try:
-                return fn(*args)
-            except RuntimeError as err:  # DistNetworkError, DistStoreError (timeouts)
-                raise StoreError(f"{self.where}: {_first_line(err)}") from err
+            if self._lost:
+                raise StoreError(self._lost)
+            done: list[tuple[bool, Any]] = []
+
+            def call() -> None:
+                try:
+                    done.append((True, fn(*args)))
+                except BaseException as err:
+                    done.append((False, err))
+
+            worker = threading.Thread(target=call, name="tcpkv-call", daemon=True)
+            worker.start()
+            worker.join(self._timeout_s)
+            if not done:
+                self._lost = f"{self.where}: no answer within {self._timeout_s}s"
+                raise StoreError(self._lost)
+            ok, result = done[0]
+            if ok:
+                return result
+            if isinstance(result, RuntimeError):  # DistNetworkError, DistStoreError
+                raise StoreError(f"{self.where}: {_first_line(result)}") from result
+            raise result
 
     def get(self, key: str) -> bytes | None:
         # TCPStore.get waits for a missing key (for its timeout): look first, once.
@@ -91,7 +118,9 @@ class TCPKV:
         return bytes(self._call(self._store.get, key))
 
     def set(self, key: str, value: bytes) -> None:
-        self._call(self._store.set, key, value)
+        # TCPStore does not answer a set: the check's answer (same connection, taken in
+        # order) says it is applied, so that every client sees it once this returns.
+        self._call(_acked, self._store.set, key, value)
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call(self._store.add, key, amount))
@@ -108,7 +137,7 @@ class TCPKV:
         return [bytes(v) for v in self._call(self._store.multi_get, keys)] if keys else []
 
     def append(self, key: str, value: bytes) -> None:
-        self._call(self._store.append, key, value)
+        self._call(_acked, self._store.append, key, value)
 
     def close(self) -> None:
         self._store = None
@@ -137,3 +166,8 @@ def serve_tcp(port: int, timeout_s: float) -> TCPKV | None:
 def _first_line(err: BaseException) -> str:
     """torch's store errors carry a C++ stack after the first line."""
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _acked(write: Any, key: str, value: bytes) -> None:
+    write(key, value)
+    write.__self__.check([key])
