@@ -38,11 +38,9 @@ def make_peers(
     """This node's view of the others, the way ``supervisor.store`` says."""
     if nnodes <= 1 or sup.store == "files" or (sup.store == "auto" and endpoint is None):
         return FilePeers(run_dir, node, nnodes, sup.heartbeat_interval_s)
+    timeout_s = store_timeout_s(sup)
     if sup.store.startswith("etcd://"):
-        raise PolicyError(
-            f"supervisor.store: {sup.store}: etcd is not supported by this version; use auto "
-            "(a TCPStore on the rendezvous node) or files"
-        )
+        return _on_etcd(run_dir, node, nnodes, sup, timeout_s)
     if sup.store.startswith("tcp://"):
         where = _split(sup.store[len("tcp://") :], 0)
         if not where.port:
@@ -54,7 +52,6 @@ def make_peers(
         )
     else:
         where = Endpoint(endpoint.host, endpoint.port + TCP_PORT_OFFSET)
-    timeout_s = store_timeout_s(sup)
     local = is_local(where.host)
     served: list[TCPKV] = []
 
@@ -63,7 +60,13 @@ def make_peers(
         # connect: the port may have been held a moment), else be a client of whoever does.
         if not served and local:
             served.extend(s for s in [serve_tcp(where.port, timeout_s, where.host)] if s)
-        return served[0] if served else TCPKV(where.host, where.port, timeout_s)
+        if not served:
+            return TCPKV(where.host, where.port, timeout_s)
+        # A connection of its own to the store this process serves (kept in `served`): a
+        # call that timed out under load spoils a connection, never the store.
+        kv = TCPKV("127.0.0.1", where.port, timeout_s)
+        kv.serving = True
+        return kv
 
     this = " (this one)" if local else ""
     words = (
@@ -83,6 +86,23 @@ def make_peers(
     )
 
 
+def _on_etcd(
+    run_dir: str, node: str, nnodes: int, sup: SupervisorPolicy, timeout_s: float
+) -> StorePeers:
+    """Through the cluster's etcd, under this run directory's prefix: no node serves it, so
+    no node's loss takes it down (etcd has its own members for that)."""
+    from launch.kv_etcd import connect as etcd
+
+    url, prefix = sup.store, run_prefix(run_dir)
+    return StorePeers(
+        run_dir, node, nnodes, sup.heartbeat_interval_s, lambda: etcd(url, prefix, timeout_s),
+        node_timeout_s=sup.node_timeout_s, store_words=" (the cluster's etcd)", where=url,
+        linger_s=0.0,
+    )  # fmt: skip
+
+
 def run_prefix(run_dir: str) -> str:
-    """The keys of one run directory in a store shared by many jobs (etcd)."""
-    return "/orchestrator/" + hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+    """One run directory's keys in a store shared by many jobs (etcd): a requeued job finds
+    its earlier keys (an end already there is an earlier job's: launch/store_peers.py)."""
+    digest = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+    return f"/orchestrator/{digest}/"

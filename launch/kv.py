@@ -3,7 +3,7 @@ torch's ``TCPStore`` behind them.
 
 The store outlives attempts: the supervisor of the node that holds the launcher's
 rendezvous serves it for the whole job (:func:`serve_tcp`), every node's supervisor is a
-client (:func:`connect_tcp`). Every call has a timeout and raises :class:`StoreError` when
+client (:class:`TCPKV`). Every call has a timeout and raises :class:`StoreError` when
 the store does not answer: the caller decides what that means (launch/store_peers.py: the
 store's host is lost, exit 77 naming it). torch is imported here only when a store is used,
 so ``launch/`` stays light for one node.
@@ -59,18 +59,17 @@ class TCPKV:
 
     def __init__(self, host: str, port: int, timeout_s: float, *, store: Any = None) -> None:
         self.where = f"tcp://{host}:{port}"
-        self.serving = store is not None  # this process serves it (never reconnects)
+        self.serving = store is not None  # this process serves the store
         self.ops = 0  # round trips made (benchmarks/bench_scale.py counts them)
         self._lock = threading.Lock()
         self._known: set[str] = set()  # keys seen to exist: keys are never deleted
         if store is None:
             from torch.distributed import TCPStore
 
-            # A refused or unroutable port fails here, fast and without the GIL: the
-            # TCPStore client would retry it for its whole timeout holding the GIL, which
-            # stalls every other thread of this process (the supervisor's main thread too).
+            # A refused or unroutable port fails here, fast and without the GIL: torch's
+            # client retries a refused connection past its timeout (up to 3x).
             try:
-                socket.create_connection((host, port), timeout=timeout_s).close()
+                socket.create_connection((host, port), timeout_s).close()
             except OSError as err:
                 raise StoreError(f"{self.where}: {err}") from err
             try:
@@ -86,11 +85,18 @@ class TCPKV:
         self._store = store
 
     def _call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``, a torch store error raised as :class:`StoreError`. Not bounded:
+        torch's client waits without end for a store that stopped answering without closing
+        its connections (a SIGSTOPped process, a host gone silent), so launch/store_peers.py
+        counts a call that has not returned toward ``node_timeout_s`` and never waits on one
+        from the supervisor's main thread for long. (Each call in a thread of its own bounds
+        it here, but was tried and failed the simulation: many clients in one process
+        stopped connecting and leaked.)"""
         with self._lock:
             self.ops += 1
             try:
                 return fn(*args)
-            except RuntimeError as err:  # DistNetworkError, DistStoreError (timeouts)
+            except RuntimeError as err:  # DistNetworkError, DistStoreError
                 raise StoreError(f"{self.where}: {_first_line(err)}") from err
 
     def get(self, key: str) -> bytes | None:
@@ -102,7 +108,9 @@ class TCPKV:
         return bytes(self._call(self._store.get, key))
 
     def set(self, key: str, value: bytes) -> None:
-        self._call(self._store.set, key, value)
+        # TCPStore does not answer a set: the check's answer (same connection, taken in
+        # order) says it is applied, so that every client sees it once this returns.
+        self._call(_acked, self._store.set, key, value)
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call(self._store.add, key, amount))
@@ -119,7 +127,7 @@ class TCPKV:
         return [bytes(v) for v in self._call(self._store.multi_get, keys)] if keys else []
 
     def append(self, key: str, value: bytes) -> None:
-        self._call(self._store.append, key, value)
+        self._call(_acked, self._store.append, key, value)
 
     def close(self) -> None:
         self._store = None
@@ -148,3 +156,8 @@ def serve_tcp(port: int, timeout_s: float, host: str = "0.0.0.0") -> TCPKV | Non
 def _first_line(err: BaseException) -> str:
     """torch's store errors carry a C++ stack after the first line."""
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def _acked(write: Any, key: str, value: bytes) -> None:
+    write(key, value)
+    write.__self__.check([key])

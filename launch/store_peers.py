@@ -81,6 +81,8 @@ class StorePeers:
         self._watcher: bytes = b""
         self._watching: Watching | None = None
         self._down: tuple[float, str] | None = None  # (since, why) the store does not answer
+        self._inflight: float | None = None  # when the call now on the store began
+        self.call_timeout_s = max(5.0, 4 * interval_s)  # a call older than this: not answered
         self._others: tuple[float, dict[str, dict[str, Any]]] = (-float("inf"), {})
         self._published: bytes = b""
         self._joined = False
@@ -130,6 +132,9 @@ class StorePeers:
         if self.nnodes <= 1:
             return None
         down = self._down
+        began = self._inflight  # a call that never returns (a store stopped, a host silent)
+        if down is None and began is not None and time.monotonic() - began > self.call_timeout_s:
+            down = (began, f"a call to it has not returned for {time.monotonic() - began:.0f} s")
         if down is not None and time.monotonic() - down[0] > timeout_s:
             return (
                 f"the supervisors' store {self.where} has not answered for "
@@ -258,13 +263,18 @@ class StorePeers:
     def _others_running(self) -> bool:
         return any(r.get("state") == RUNNING for r in self.live().values())
 
-    def _serving(self) -> bool:
-        return bool(getattr(self._kv, "serving", False))
+    def _serving(self, kv: KV | None = None) -> bool:
+        return bool(getattr(kv or self._kv, "serving", False))
 
     def _store(self, op: Callable[[KV], Any]) -> Any:
         """Run ``op`` on the store, connecting first if need be; on a store error, note since
-        when it fails and return None (never raise: the verdict is :meth:`lost`'s)."""
-        with self._lock:
+        when it fails and return None (never raise: the verdict is :meth:`lost`'s). A call
+        another thread has in flight is waited for one interval at most: the supervisor's
+        main thread goes on (and :meth:`lost` counts the stuck call) rather than hang."""
+        if not self._lock.acquire(timeout=self.interval_s):
+            return None
+        try:
+            self._inflight = time.monotonic()
             try:
                 if self._kv is None:
                     self._kv = self._join(self._connect())
@@ -282,15 +292,20 @@ class StorePeers:
                         self.store_words,
                     )
                     self._down = (time.monotonic(), str(err))
-                if self._kv is not None and not self._serving():
+                if self._kv is not None:
                     self._kv.close()
-                    self._kv = None  # a client whose connection broke: a new one next time
+                    self._kv = None  # a connection that broke or timed out: a new one next
                 return None
+        finally:
+            self._inflight = None
+            self._lock.release()
 
     def _join(self, kv: KV) -> KV:
         """A new connection: say who we are (idempotent), note an end already there."""
         for key in ("end", "view"):  # made to exist (empty): a read of all keys is one trip
             kv.compare_set(key, b"", b"")
+        # Said in this node's file (`orchestrator status`, and whoever looks for the store).
+        self.files.publish(store=self.where, serves_store=self._serving(kv))
         if not self._joined:  # an end there before us is an earlier job's (same run, requeued)
             self._old_end, self._joined = kv.get("end"), True
         kv.add(f"beat/{self.node}", 1)

@@ -26,6 +26,7 @@ class Watching:
 
     since: float  # when this node began watching
     seen: dict[str, tuple[int, float]] = field(default_factory=dict)  # node -> (beat, changed)
+    moved: set[str] = field(default_factory=set)  # nodes seen beating while watched
     complete_at: float | None = None  # the last look at which every node was alive
     seq: int = 0
 
@@ -49,6 +50,8 @@ def judge(
         last = w.seen.get(node)
         if last is None or last[0] != beat:
             w.seen[node] = (beat, now)
+            if last is not None:
+                w.moved.add(node)
         silent[node] = now - w.seen[node][1]
     alive = [
         n for n, r in recs.items() if r.get("state") == RUNNING and silent.get(n, 0) <= stale_s
@@ -67,7 +70,7 @@ def judge(
         "top_host": recs[top_node].get("host") if top_node else None,
         "agreed": len(alive) >= nnodes and all(a == top for a in attempts.values()),
         "down": down[:QUIET_NAMED],
-        "quiet": _quiet(silent, recs, quiet_s),
+        "quiet": _quiet({n: s for n, s in silent.items() if n in w.moved}, recs, quiet_s),
         "incomplete_for": -1.0,  # seconds fewer than nnodes were alive; -1: complete
         "missing": None,  # who is missing, said in full (the lost-node verdict's words)
     }
