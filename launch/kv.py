@@ -14,6 +14,7 @@ etcd (launch/kv_etcd.py) implements the same protocol for clusters that run one.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -64,7 +65,7 @@ class TCPKV:
         self._lock = threading.Lock()
         self._known: set[str] = set()  # keys seen to exist: keys are never deleted
         if store is None:
-            from torch.distributed import TCPStore
+            TCPStore = _tcpstore()
 
             # A refused or unroutable port fails here, fast and without the GIL: torch's
             # client retries a refused connection past its timeout (up to 3x).
@@ -137,8 +138,7 @@ def serve_tcp(port: int, timeout_s: float, host: str = "0.0.0.0") -> TCPKV | Non
     """Serve a ``TCPStore`` on ``port`` from this process, on every address, and return a
     client of it (``host``: what messages call it); None when the port is taken (another
     node on this machine serves it: nodes simulated on one host)."""
-    from torch.distributed import TCPStore
-
+    TCPStore = _tcpstore()
     try:
         store = TCPStore(
             "0.0.0.0",
@@ -151,6 +151,25 @@ def serve_tcp(port: int, timeout_s: float, host: str = "0.0.0.0") -> TCPKV | Non
     except RuntimeError:  # DistNetworkError: the port is taken
         return None
     return TCPKV(host, port, timeout_s, store=store)
+
+
+def _tcpstore() -> Any:
+    """torch's TCPStore, imported quietly when this process imports torch first (the
+    supervisor does): its C++ log prints a stack for every failed store call, hundreds of
+    lines a minute while a store is lost, where our own messages say what happened. The
+    workers the supervisor starts get the environment as it was."""
+    import sys
+
+    if "torch" in sys.modules or "TORCH_CPP_LOG_LEVEL" in os.environ:
+        from torch.distributed import TCPStore
+
+        return TCPStore
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # read once, when c10 loads
+    try:
+        from torch.distributed import TCPStore
+    finally:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
+    return TCPStore
 
 
 def _first_line(err: BaseException) -> str:

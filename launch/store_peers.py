@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +83,7 @@ class StorePeers:
         self._watching: Watching | None = None
         self._down: tuple[float, str] | None = None  # (since, why) the store does not answer
         self._inflight: float | None = None  # when the call now on the store began
+        self._retry_at = 0.0  # no connect before this (monotonic), after a failed one
         self.call_timeout_s = max(5.0, 4 * interval_s)  # a call older than this: not answered
         self._others: tuple[float, dict[str, dict[str, Any]]] = (-float("inf"), {})
         self._published: bytes = b""
@@ -125,8 +127,13 @@ class StorePeers:
 
     # --- the others (from the view this node's thread last read) -----------------------------
     def propose(self, attempt: int) -> tuple[int, bool]:
-        """One look at the agreement (launch/nodes.py :func:`agree_view`)."""
-        return agree_view(attempt, self._view, self.node)
+        """One look at the agreement (launch/nodes.py :func:`agree_view`). Once agreed, the
+        others' records are read (once an attempt): who they are is then known should the
+        store be lost with its node (the lost-node words name it)."""
+        top, start = agree_view(attempt, self._view, self.node)
+        if start:
+            self.others()
+        return top, start
 
     def lost(self, timeout_s: float) -> str | None:
         if self.nnodes <= 1:
@@ -136,11 +143,15 @@ class StorePeers:
         if down is None and began is not None and time.monotonic() - began > self.call_timeout_s:
             down = (began, f"a call to it has not returned for {time.monotonic() - began:.0f} s")
         if down is not None and time.monotonic() - down[0] > timeout_s:
+            server = [f"node {n} (host {r.get('host')})" for n, r in self._others[1].items()
+                      if r.get("serves_store")]  # fmt: skip
             return (
                 f"the supervisors' store {self.where} has not answered for "
                 f"{time.monotonic() - down[0]:.0f} s ({down[1]}; supervisor.node_timeout_s="
-                f"{timeout_s:g}){self.store_words}: if its node is lost, requeue the job (a new "
-                "store starts with it); the run resumes from its newest durable snapshot"
+                f"{timeout_s:g}){self.store_words}"
+                + (f"; {server[0]} served it" if server else "")
+                + ": if its node is lost, requeue the job (a new store starts with it); the "
+                "run resumes from its newest durable snapshot"
             )
         # The view says how long the job has been incomplete when the watcher looked; add
         # the time since this node read it, on its own clock (no clock is shared).
@@ -271,6 +282,9 @@ class StorePeers:
         when it fails and return None (never raise: the verdict is :meth:`lost`'s). A call
         another thread has in flight is waited for one interval at most: the supervisor's
         main thread goes on (and :meth:`lost` counts the stuck call) rather than hang."""
+        if self._kv is None and time.monotonic() < self._retry_at:
+            return None  # still down: the next connect is spread out (a thousand nodes
+            # reconnecting every interval would keep a recovering store down)
         if not self._lock.acquire(timeout=self.interval_s):
             return None
         try:
@@ -295,6 +309,7 @@ class StorePeers:
                 if self._kv is not None:
                     self._kv.close()
                     self._kv = None  # a connection that broke or timed out: a new one next
+                self._retry_at = time.monotonic() + random.uniform(0, 4 * self.interval_s)
                 return None
         finally:
             self._inflight = None

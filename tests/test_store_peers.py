@@ -87,7 +87,7 @@ def _simulate(tmp_path: Path, nodes: int, scenarios: str) -> list[dict[str, Any]
 def test_many_supervisors_agree_end_together_and_name_a_lost_node_or_store(
     tmp_path: Path,
 ) -> None:
-    """48 supervisors (threads in two processes) against a real TCPStore: after one node's
+    """48 supervisors (threads in three processes) against a real TCPStore: after one node's
     crash all agree on attempt 1; one node's end (74) reaches every node; a node that stops
     beating is named by every node within node_timeout_s plus two intervals (the watcher's
     look, then this node's); the store's process killed, or stopped (its calls never
