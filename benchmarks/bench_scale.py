@@ -132,6 +132,7 @@ def _proc(
 ) -> None:
     """One process of simulated nodes: a thread per node."""
     import torch.distributed  # noqa: F401  once, before the threads (each node's first call)
+
     cfg = {**cfg, "go": go, "ended_go": ended_go}
     run_dir, interval = cfg["run_dir"], cfg["interval_s"]
     files_opened = [0]
