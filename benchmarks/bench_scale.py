@@ -1,18 +1,20 @@
 """A thousand supervisors on one machine (issue 34): the real coordination code of
 launch/store_peers.py, one instance per simulated node, as threads in several processes
-(32 a process: one process's GIL would make the store look slow), against a real TCPStore served by
-a process of its own (the store's host, which one scenario kills).
+(16 a process, their starts spread out: 64 Python processes share this machine's 2 cores),
+against a real TCPStore served by a process of its own (the store's host, which the
+``store`` scenario kills and ``stopped`` stops).
 
-    python -m benchmarks.bench_scale --nodes 8,128,1024            # the table of docs/scale.md
-    python -m benchmarks.bench_scale --nodes 32 --json out.json  # tests/test_store_peers.py
+    python -m benchmarks.bench_scale --nodes 8,128,1024           # docs/scale.md's table
+    python -m benchmarks.bench_scale --nodes 48 --interval 0.5 --node-timeout 5 --json rows.json
 
 Scenarios, each on a fresh store:
 - ``crash``: every node agrees on attempt 0; one node then proposes attempt 1 (its attempt
   crashed); every other node sees it is ahead, proposes 1, and all start 1; then one node
   stops for good (exit 74) and every node sees that end and its code.
 - ``lost``: after attempt 0, one node's supervisor stops beating (SIGKILL, as the store sees
-  it); every node's ``lost()`` names it, and the time from its last beat is measured against
-  ``node_timeout_s`` + one interval.
+  it); the first node whose ``lost()`` names it exits 77 and sets the end, as a supervisor
+  does; every node names it itself or through that end, and the time from its last beat
+  (the last add the store took) is measured against ``node_timeout_s`` + one interval.
 - ``store``: after attempt 0, the store's process is SIGKILLed; every node's ``lost()`` names
   the store within ``node_timeout_s`` plus an interval, and no call hangs.
 - ``stopped``: the same with the store's process SIGSTOPped (it answers nothing and closes
@@ -21,14 +23,17 @@ Scenarios, each on a fresh store:
   comparison, counting the files opened.
 
 Reported per scenario: seconds to agree / to see the end / to name the lost node (max over
-nodes), store round trips per second (all nodes) and per node per interval, and for the
-files the opens per second. Times are on one monotonic clock (one machine).
+nodes; for a lost node also the median and the min, which must not be under the timeout),
+store round trips per second (all nodes) and per node per interval, and for the files the
+opens per second. Times are on one monotonic clock (one machine). ``BENCH_SCALE_OUTS=FILE``
+writes every node's own numbers there (the last scenario's), to look into a slow one.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import multiprocessing as mp
 import os
@@ -41,9 +46,10 @@ import time
 from typing import Any
 
 from launch import nodes as nodes_mod
-from launch.kv import KV, TCPKV, serve_tcp
+from launch.kv import KV, TCPKV, _tcpstore
 from launch.nodes import AGREEING, IN_ATTEMPT, Coordinator, FilePeers
 from launch.store_peers import StorePeers
+from orchestrator.errors import EXIT_NODE_LOST
 
 # Nodes per process: torch's TCPStore client stops connecting past about 24 clients in one
 # process (measured with torch 2.13: the 25th times out), and one supervisor is one process.
@@ -51,6 +57,17 @@ THREADS_PER_PROC = 16
 STAGGER_S = 0.25
 CONNECTS_PER_S = 40
 STORE_TIMEOUT_S: float | None = None  # --store-timeout: the supervisors' own, else
+
+
+class _TimedKV(TCPKV):
+    """A client that notes when its last add (a beat) returned."""
+
+    beat_at: float | None = None
+
+    def add(self, key: str, amount: int) -> int:
+        got = super().add(key, amount)
+        self.beat_at = time.monotonic()
+        return got
 
 
 def _free_port() -> int:
@@ -64,10 +81,35 @@ def _serve(port: int, ready: Any) -> None:
     where it does not share two cores with a thousand supervisors (root only)."""
     with contextlib.suppress(OSError):
         os.nice(-15)
-    kv = serve_tcp(port, 30.0, "127.0.0.1")
-    ready.set() if kv is not None else None
-    while True:
+    # torch's server looks up the name of every client that connects (getnameinfo, on its one
+    # thread). On its default dual-stack socket a loopback client is ::ffff:127.0.0.1, which
+    # /etc/hosts does not name, so each connect asks the resolver: this sandbox's drops about
+    # 2% of queries (5 s each), and 1,024 nodes joining stalled the server for minutes. An
+    # IPv4 socket makes the client 127.0.0.1, which /etc/hosts answers at once. (On a cluster
+    # the same lookups go to its DNS: docs/scale.md, "Limits and assumptions".)
+    sock = socket.socket(socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(4096)
+    TCPStore = _tcpstore()
+    store = TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True,
+        timeout=datetime.timedelta(seconds=30), master_listen_fd=sock.fileno(),
+    )  # fmt: skip
+    ready.set()
+    while store is not None:  # held: the store lives as long as this process
         time.sleep(3600)
+
+
+def _wait(p: Coordinator) -> None:
+    """The supervisor's wait between looks (launch/cluster.py): a poll, ended early by the
+    store's news."""
+    wake = getattr(p, "wake", None)
+    if wake is None:
+        time.sleep(p.poll_s)
+    else:
+        wake.wait(p.poll_s)
+        wake.clear()
 
 
 def _agree(p: Coordinator, attempt: int, deadline: float) -> float | None:
@@ -79,7 +121,7 @@ def _agree(p: Coordinator, attempt: int, deadline: float) -> float | None:
         if start and top == attempt:
             p.at(attempt, IN_ATTEMPT)
             return time.monotonic()
-        time.sleep(p.poll_s)
+        _wait(p)
     return None
 
 
@@ -101,7 +143,7 @@ def _drive(p: Coordinator, idx: int, cfg: dict[str, Any], out: dict[str, Any]) -
             out["agreed1"] = _agree(p, 1, t0 + limit)
         else:
             while p.ahead(0) is None and time.monotonic() < t0 + limit:
-                time.sleep(p.poll_s)
+                _wait(p)
             out["saw_ahead"] = time.monotonic()
             out["agreed1"] = _agree(p, 1, t0 + limit)
         cfg["ended_go"].wait(limit)
@@ -113,25 +155,37 @@ def _drive(p: Coordinator, idx: int, cfg: dict[str, Any], out: dict[str, Any]) -
             p.lost(3600.0)  # the files: this is what reads them; the store: a cached look
             if (end := p.ended(fresh=False)) is not None:
                 break
-            time.sleep(p.poll_s)
+            _wait(p)
         out["ended"] = (time.monotonic(), end and end.node, end and end.exit_code)
     elif cfg["scenario"] in ("lost", "store", "stopped"):
         if cfg["scenario"] == "lost" and idx == cfg["victim"]:
             assert isinstance(p, StorePeers)
-            out["last_beat"] = time.monotonic()
             p._stop.set()  # its supervisor is gone: no more beats, no exit said
+            if p._thread is not None:
+                p._thread.join()
+            # Counted from its last beat that the store took (a starved thread's last beat
+            # can be seconds before the stop).
+            out["last_beat"] = getattr(p._kv, "beat_at", None) or time.monotonic()
             return
-        while (why := p.lost(cfg["node_timeout_s"])) is None and time.monotonic() < t0 + limit:
-            time.sleep(p.poll_s)
-        out["lost"] = (time.monotonic(), why)
-    p.exited(0, "done") if cfg["scenario"] == "lost" else None
+        # As launch/cluster.py: a node's own verdict, or the end a node that named it first
+        # set (the supervisor then exits 77 with that node's words: "one end").
+        while time.monotonic() < t0 + limit:
+            if (why := p.lost(cfg["node_timeout_s"])) is not None:
+                out["lost"] = (time.monotonic(), why)
+                if cfg["scenario"] == "lost":
+                    p.exited(EXIT_NODE_LOST, why)  # (a lost store: nobody can tell the others)
+                return
+            if (end := p.ended(fresh=False)) is not None and end.exit_code == EXIT_NODE_LOST:
+                out["lost"], out["by_end"] = (time.monotonic(), end.reason), True
+                return
+            _wait(p)
 
 
 def _proc(
     names: list[int], cfg: dict[str, Any], store: tuple[str, int], q: Any, go: Any, ended_go: Any
 ) -> None:
     """One process of simulated nodes: a thread per node."""
-    import torch.distributed  # noqa: F401  once, before the threads (each node's first call)
+    _tcpstore()  # torch imported once, before the threads, and as quiet as the supervisor's
 
     cfg = {**cfg, "go": go, "ended_go": ended_go}
     run_dir, interval = cfg["run_dir"], cfg["interval_s"]
@@ -153,14 +207,14 @@ def _proc(
             continue
 
         def connect(kvs: list[TCPKV] = kvs) -> KV:
-            kv = TCPKV(store[0], store[1], cfg["store_timeout_s"])
+            kv = _TimedKV(store[0], store[1], cfg["store_timeout_s"])
             kvs.append(kv)
             return kv
 
         peers.append(StorePeers(
             run_dir, f"n{i:04d}", cfg["nodes"], interval, connect,
             node_timeout_s=cfg["node_timeout_s"], store_words="", linger_s=0.0,
-            where=f"tcp://{store[0]}:{store[1]}",
+            where=f"tcp://{store[0]}:{store[1]}", wake=threading.Event(),
         ))  # fmt: skip
     outs: list[dict[str, Any]] = [{} for _ in names]
     threads = [
@@ -234,7 +288,7 @@ def _phases(
                 (int(s.get("attempt", -1)), s.get("phase")) == (1, IN_ATTEMPT) for s in sups
             ):
                 break
-            time.sleep(0.2)
+            time.sleep(1.0)
         fault["end_go"] = time.monotonic()
         ended_go.set()
     return fault
@@ -267,10 +321,17 @@ def _report(
             w is not None and want in w for _, w in losts
         )
         start = [o["last_beat"] for o in outs if "last_beat" in o] or [fault["at"]]
-        row["detect_s"] = round(max(t for t, _ in losts) - start[0], 2) if losts else None
+        took = sorted(t - start[0] for t, _ in losts)
+        row["detect_s"] = round(took[-1], 2) if took else None  # the slowest node
+        row["detect_median_s"] = round(took[len(took) // 2], 2) if took else None
+        row["detect_min_s"] = round(took[0], 2) if took else None  # never before the timeout
         row["bound_s"] = node_timeout_s + interval_s
         row["example"] = next((w for _, w in losts if w), None)
+        row["by_end"] = sum(1 for o in outs if o.get("by_end"))  # named through the end
     ops = sum(g["ops"] for g in got)
+    if os.environ.get("BENCH_SCALE_OUTS"):  # every node's own numbers, to look into
+        with open(os.environ["BENCH_SCALE_OUTS"], "w", encoding="utf-8") as f:
+            json.dump({"t0": t0, "fault": fault, "outs": outs}, f)
     row["store_ops_per_s"] = round(ops / duration, 1)
     row["ops_per_node_per_interval"] = round(ops / duration / n * interval_s, 2)
     if scenario == "files":
@@ -282,14 +343,15 @@ def _report(
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", default="8,128,1024")
-    ap.add_argument("--scenarios", default="crash,lost,store")
+    ap.add_argument("--scenarios", default="crash,lost,store,stopped")
     ap.add_argument("--files", default="8,128", help="node counts to run `files` at too")
-    ap.add_argument("--interval", type=float, default=1.0)
-    ap.add_argument("--node-timeout", type=float, default=15.0)
+    # 2 s: what this machine drives at 1,024 nodes (about 900 store calls a second in all)
+    ap.add_argument("--interval", type=float, default=2.0)
+    ap.add_argument("--node-timeout", type=float, default=30.0)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--store-timeout", type=float, default=None,
-                    help="a store call's timeout (default: the supervisors' own, 4 intervals); "
-                    "longer for a simulation that starves its store of CPU")  # fmt: skip
+    ap.add_argument("--store-timeout", type=float, default=30.0,
+                    help="a store client's timeout (the supervisors' own is 4 intervals): "
+                    "longer here, where 1,024 nodes joining starve the store of CPU")  # fmt: skip
     a = ap.parse_args(argv)
     global STORE_TIMEOUT_S
     STORE_TIMEOUT_S = a.store_timeout

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -42,6 +43,7 @@ class Cluster:
         cmd: list[str],
         sup: SupervisorPolicy,
         step: Callable[[], int],
+        wake: threading.Event | None = None,
     ) -> None:
         self.node, self.sup = node, sup
         self.host = socket.gethostname()
@@ -54,7 +56,7 @@ class Cluster:
         )
         self.store_here = self.endpoint is not None and is_local(self.endpoint.host)
         # The other nodes' supervisors: through a store, or the run directory's files.
-        self.peers: Coordinator = make_peers(run_dir, node, self.nnodes, sup, self.endpoint)
+        self.peers: Coordinator = make_peers(run_dir, node, self.nnodes, sup, self.endpoint, wake)
         self.journal: Journal | None = None  # set once the supervisor opens it
         self.lost: str | None = None  # why the current attempt was stopped for a lost node
         self.ended: Ended | None = None  # a peer that ended the job while we waited for it
@@ -78,7 +80,10 @@ class Cluster:
         said: set[str] = set()
         cut_since: float | None = None
         probed_at, cut = -float("inf"), None
-        while not stops.count:
+        while True:
+            stops.wake.clear()  # before the look: news after it (a signal, the store's view)
+            if stops.count:  # ends the wait below at once
+                break
             self.peers.at(attempt, AGREEING)
             attempt, start = self.peers.propose(attempt)
             self.peers.at(attempt, AGREEING)

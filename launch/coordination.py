@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 
 from launch.endpoint import Endpoint, _split, is_local
 from launch.kv import KV, TCPKV, serve_tcp
@@ -34,13 +35,15 @@ def make_peers(
     nnodes: int,
     sup: SupervisorPolicy,
     endpoint: Endpoint | None,
+    wake: threading.Event | None = None,
 ) -> Coordinator:
-    """This node's view of the others, the way ``supervisor.store`` says."""
+    """This node's view of the others, the way ``supervisor.store`` says (``wake``: set when
+    a store's news arrives, to end the supervisor's wait)."""
     if nnodes <= 1 or sup.store == "files" or (sup.store == "auto" and endpoint is None):
         return FilePeers(run_dir, node, nnodes, sup.heartbeat_interval_s)
     timeout_s = store_timeout_s(sup)
     if sup.store.startswith("etcd://"):
-        return _on_etcd(run_dir, node, nnodes, sup, timeout_s)
+        return _on_etcd(run_dir, node, nnodes, sup, timeout_s, wake)
     if sup.store.startswith("tcp://"):
         where = _split(sup.store[len("tcp://") :], 0)
         if not where.port:
@@ -83,11 +86,17 @@ def make_peers(
         store_words=words,
         where=f"tcp://{where}",
         linger_s=min(sup.node_timeout_s, sup.grace_s + 2 * max(10.0, 5 * sup.heartbeat_interval_s)),
+        wake=wake,
     )
 
 
 def _on_etcd(
-    run_dir: str, node: str, nnodes: int, sup: SupervisorPolicy, timeout_s: float
+    run_dir: str,
+    node: str,
+    nnodes: int,
+    sup: SupervisorPolicy,
+    timeout_s: float,
+    wake: threading.Event | None,
 ) -> StorePeers:
     """Through the cluster's etcd, under this run directory's prefix: no node serves it, so
     no node's loss takes it down (etcd has its own members for that)."""
@@ -97,7 +106,7 @@ def _on_etcd(
     return StorePeers(
         run_dir, node, nnodes, sup.heartbeat_interval_s, lambda: etcd(url, prefix, timeout_s),
         node_timeout_s=sup.node_timeout_s, store_words=" (the cluster's etcd)", where=url,
-        linger_s=0.0,
+        linger_s=0.0, wake=wake,
     )  # fmt: skip
 
 

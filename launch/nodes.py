@@ -101,7 +101,11 @@ class Coordinator(Protocol):
     node: str
     nnodes: int
     stale_s: float
-    poll_s: float
+
+    @property
+    def poll_s(self) -> float:
+        """How long the supervisor may wait before its next look."""
+        ...
 
     @property
     def failing(self) -> str | None: ...

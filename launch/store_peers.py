@@ -5,12 +5,18 @@ launchers start, one end, a lost node named within ``supervisor.node_timeout_s``
 constant number of store operations per node per interval instead of every node reading
 every node's file from the shared file system:
 
-- each node's beat thread adds 1 to ``beat/<node>`` and reads ``view``, ``end`` and
-  ``watcher`` in one round trip, every ``heartbeat_interval_s``; it sets ``rec/<node>``
-  (host, pid, attempt, phase, state, addresses) only when that changes;
-- one node, the watcher, also reads every node's counter and record (two round trips) and
-  publishes ``view`` (launch/store_view.py): who is alive, the highest attempt proposed,
-  whether every node is at it, who is quiet or missing and the lost-node verdict;
+- each node's beat thread adds 1 to ``beat/<node>`` every ``heartbeat_interval_s``, and
+  reads ``view``, ``end`` and ``watcher`` in one round trip twice an interval; it sets
+  ``rec/<node>`` (host, pid, attempt, phase, state, addresses) only when that changes;
+- one node, the watcher, also reads every node's counter and record (three round trips)
+  and publishes ``view`` (launch/store_view.py), twice an interval: who is alive, the
+  highest attempt proposed, whether every node is at it, who is quiet or missing and the
+  lost-node verdict.
+
+A lost node is named ``node_timeout_s`` after the watcher saw its last beat, plus the age of
+the view a node read: each at most half an interval, so within ``node_timeout_s`` plus one
+interval of its last beat, and never before ``node_timeout_s`` (both lags are counted
+against the verdict, not for it). Each node's supervisor wakes when its verdict is due.
 - the first node that stops for good sets ``end`` (compare-and-set: the first one wins).
 
 The watcher is whoever holds ``watcher``: every node tries to take it at start (one wins); a
@@ -40,7 +46,7 @@ from typing import Any
 
 from launch.kv import KV, StoreError
 from launch.nodes import RUNNING, Ended, FilePeers, agree_view
-from launch.store_view import Watching, judge
+from launch.store_view import Watching, judge, resume
 
 logger = logging.getLogger(__name__)
 STATUS_EVERY_S = 30.0  # supervisors/<node>.json for `orchestrator status` (not for peers)
@@ -61,10 +67,14 @@ class StorePeers:
         store_words: str,
         where: str,
         linger_s: float = 30.0,
+        wake: threading.Event | None = None,
     ) -> None:
         self.node, self.nnodes, self.interval_s = node, nnodes, interval_s
         self.stale_s = max(10.0, 5 * interval_s)  # as the files: no change this long, not alive
-        self.poll_s = interval_s  # a look is one cached read: as often as the view changes
+        # Set when this node's thread reads a new view or end: the supervisor's loop looks
+        # then, not up to a poll later (the lost-node bound: node_timeout_s plus the
+        # watcher's look and this node's read, nothing more).
+        self.wake = wake
         self.node_timeout_s, self.store_words, self.linger_s = node_timeout_s, store_words, linger_s
         self.where = where  # the store, for messages (tcp://host:port)
         self.files = FilePeers(run_dir, node, nnodes, STATUS_EVERY_S, watch_others=False)
@@ -75,6 +85,7 @@ class StorePeers:
         self._thread: threading.Thread | None = None
         self._token = f"{node}:{os.getpid()}:{time.time_ns()}"
         self._view: dict[str, Any] = {}
+        self._view_raw: bytes | None = None
         self._view_at = time.monotonic()  # when this node read it (its own clock)
         self._view_seen: tuple[Any, float] = (None, time.monotonic())  # (seq, when it changed)
         self._end: bytes | None = None
@@ -88,6 +99,24 @@ class StorePeers:
         self._others: tuple[float, dict[str, dict[str, Any]]] = (-float("inf"), {})
         self._published: bytes = b""
         self._joined = False
+        self._recs: dict[str, tuple[bytes, dict[str, Any]]] = {}  # parsed once per change
+
+    @property
+    def poll_s(self) -> float:
+        """How long the supervisor's loop may wait before its next look (a cached read):
+        an interval, or less when the view this node holds makes the lost-node verdict due
+        sooner (the loop also wakes on ``wake``, when a new view is read)."""
+        if self.nnodes <= 1:
+            return self.interval_s
+        due = [float("inf")]
+        waited = float(self._view.get("incomplete_for", -1.0))
+        if waited >= 0:
+            due.append(self._view_at + self.node_timeout_s - waited)
+        if (down := self._down) is not None:
+            due.append(down[0] + self.node_timeout_s)
+        if (began := self._inflight) is not None:
+            due.append(began + max(self.call_timeout_s, self.node_timeout_s))
+        return min(self.interval_s, max(0.01, min(due) - time.monotonic() + 0.01))
 
     @property
     def failing(self) -> str | None:
@@ -185,10 +214,10 @@ class StorePeers:
         return None
 
     def others(self) -> dict[str, dict[str, Any]]:
-        """Every other node's record: one read of all of them, at most every ``poll_s``
+        """Every other node's record: one read of all of them, at most every interval
         (the buddy map and the lost-node words need them; nothing polls them)."""
         now = time.monotonic()
-        if now - self._others[0] >= self.poll_s:
+        if now - self._others[0] >= self.interval_s:
             got = self._store(self._read_records)
             if got is not None:
                 self._others = (now, {n: r for n, r in got.items() if n != self.node})
@@ -215,13 +244,18 @@ class StorePeers:
 
     # --- the beat thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self._beat()
+        looks = 0
+        # Two looks an interval: a lost node is then seen by the watcher, and its verdict
+        # read by every node, each within half an interval (the bound: one interval).
+        while not self._stop.wait(self.interval_s / 2):
+            looks += 1
+            self._beat(beat=looks % 2 == 0)
 
-    def _beat(self) -> None:
-        """One interval: beat, read the shared keys, watch if ours to, take the watch over
-        from a silent watcher."""
-        self._store(lambda kv: kv.add(f"beat/{self.node}", 1))
+    def _beat(self, beat: bool = True) -> None:
+        """One look: beat (every other look: once an interval), read the shared keys, watch
+        if ours to, take the watch over from a silent watcher."""
+        if beat:
+            self._store(lambda kv: kv.add(f"beat/{self.node}", 1))
         self._store(self._read_shared)
         if self._watcher == self._token.encode():
             self._store(self._watch)
@@ -235,8 +269,11 @@ class StorePeers:
 
     def _read_shared(self, kv: KV) -> None:
         view, end, watcher = kv.multi_get(["view", "end", "watcher"])
+        news = view != self._view_raw or end != self._end
         self._view, self._view_at = (json.loads(view) if view else {}), time.monotonic()
-        self._end, self._watcher = end, watcher or b""
+        self._view_raw, self._end, self._watcher = view, end, watcher or b""
+        if news and self.wake is not None:
+            self.wake.set()
 
     def _take_watch(self, kv: KV) -> None:
         self._watcher = kv.compare_set("watcher", self._watcher, self._token.encode())
@@ -245,11 +282,15 @@ class StorePeers:
 
     def _watch(self, kv: KV) -> None:
         now = time.monotonic()
-        if self._watching is None:
-            self._watching = Watching(since=now, seq=int(self._view.get("seq", 0)))
         recs = self._read_records(kv)
         got = kv.multi_get([f"beat/{n}" for n in recs])
         beats = {n: int(b) for n, b in zip(recs, got, strict=True) if b is not None}
+        if self._watching is None:  # taken over: the last view's silences carry on
+            old = self._view.get("watcher")
+            self._watching = resume(
+                self._view, self._view_at, now, beats,
+                old_watcher_since=self._view_seen[1] if old not in (None, self.node) else None,
+            )  # fmt: skip
         # A node silent for node_timeout_s is not alive whatever stale_s says: lost within
         # node_timeout_s (plus the looks' intervals), as the issue promises.
         view = judge(
@@ -263,7 +304,10 @@ class StorePeers:
     def _read_records(self, kv: KV) -> dict[str, dict[str, Any]]:
         members = list(dict.fromkeys((kv.get("members") or b"").decode().split()))
         got = kv.multi_get([f"rec/{n}" for n in members])
-        return {n: json.loads(r) for n, r in zip(members, got, strict=True) if r}
+        for n, raw in zip(members, got, strict=True):
+            if raw and self._recs.get(n, (b"",))[0] != raw:
+                self._recs[n] = (raw, json.loads(raw))
+        return {n: self._recs[n][1] for n in members if n in self._recs}
 
     def _publish(self) -> None:
         rec = json.dumps(self.files.record()).encode()

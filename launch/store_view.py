@@ -71,9 +71,11 @@ def judge(
         "agreed": len(alive) >= nnodes and all(a == top for a in attempts.values()),
         "down": down[:QUIET_NAMED],
         "quiet": _quiet({n: s for n, s in silent.items() if n in w.moved}, recs, quiet_s),
+        "quiet_beats": {},  # their counters: a new watcher carries their silence on (resume)
         "incomplete_for": -1.0,  # seconds fewer than nnodes were alive; -1: complete
         "missing": None,  # who is missing, said in full (the lost-node verdict's words)
     }
+    view["quiet_beats"] = {n: beats[n] for n in view["quiet"]}
     if len(alive) >= nnodes:
         w.complete_at = now
         return view
@@ -86,6 +88,35 @@ def judge(
     view["incomplete_for"] = round(waited, 3)
     view["missing"] = _missing(view, recs, silent, nnodes)
     return view
+
+
+def resume(
+    view: dict[str, Any],
+    read_at: float,
+    now: float,
+    beats: dict[str, int],
+    *,
+    old_watcher_since: float | None,
+) -> Watching:
+    """A new watcher's memory, from the last view it read (at ``read_at``, on its clock):
+    the silences that view counted carry on, so a change of watcher (the old one lost, or
+    too slow to look) does not restart the lost-node clock. Never early: a silence is
+    counted from when this node read it, and only for a node whose counter has not moved
+    since. The old watcher itself is silent at least since ``old_watcher_since``, when this
+    node last saw the view change (it beats just before each view it writes)."""
+    w = Watching(since=now, seq=int(view.get("seq", 0)))
+    counted = view.get("quiet_beats", {})
+    for node, quiet in view.get("quiet", {}).items():
+        if node in beats and counted.get(node) == beats[node]:
+            w.seen[node] = (beats[node], read_at - float(quiet))
+            w.moved.add(node)
+    old = view.get("watcher")
+    if old_watcher_since is not None and old in beats and old not in w.seen:
+        w.seen[old] = (beats[old], old_watcher_since)
+    waited = float(view.get("incomplete_for", -1.0))
+    if waited >= 0:  # incomplete since then at least (a node that never started: judge())
+        w.complete_at = read_at - waited
+    return w
 
 
 def _quiet(

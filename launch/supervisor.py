@@ -108,7 +108,9 @@ class Supervisor:
         self.launcher = Launcher()
         self.stops = StopRequests(self.launcher, node, sup.grace_s)
         # The other nodes' supervisors (launch/cluster.py): one attempt id, one end.
-        self.cluster = Cluster(run_dir, node, cmd, sup, step=lambda: self.watch.step)
+        self.cluster = Cluster(
+            run_dir, node, cmd, sup, step=lambda: self.watch.step, wake=self.stops.wake
+        )
         peers = self.cluster.peers
         self.watch = HangWatch(
             run_dir, node, sup, failing=lambda: peers.failing, refresh=peers.refresh
