@@ -3,6 +3,7 @@ harness itself. Skips where network namespaces cannot be made (not root, a sandb
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from test_nodes import BASE, FAST, finish, start_nodes
 from conftest import assert_bitwise_equal, final_states, free_port, kinds
 from orchestrator.errors import EXIT_NODE_LOST
 from orchestrator.heartbeat import read_heartbeats
+from orchestrator.protocol import shm_root
 
 LISTEN = """
 import socket, sys, time
@@ -205,6 +207,13 @@ def test_a_short_cut_is_ridden_out_a_host_lost_ends_77_and_a_requeue_resumes(
         assert_bitwise_equal(a, b, "final")
 
 
+def _memory_lost_with(run_dir: Path, node: str) -> None:
+    """A dead host's memory goes with it. Here the namespaces share one /dev/shm, and the
+    node's janitor died with the host, so its shared-memory ring is removed as the host's
+    reboot would (else every run of the test leaves one behind)."""
+    shutil.rmtree(shm_root("/dev/shm", str(run_dir), node), ignore_errors=True)
+
+
 @pytest.mark.timeout(400)
 def test_losing_the_store_host_is_77_naming_it_never_a_crash_loop(
     tmp_path: Path, hosts: Hosts
@@ -219,6 +228,7 @@ def test_losing_the_store_host_is_77_naming_it_never_a_crash_loop(
     procs = start_hosts(hosts, d, NET, "--steps", "2000")
     until("step 10", lambda: any(b["step"] >= 10 for b in read_heartbeats(str(d))), procs)
     hosts.kill(0)
+    _memory_lost_with(d, "host0")
     t0 = time.monotonic()
     (r1,) = finish([procs[1]])
     procs[0].wait(timeout=30)
@@ -311,6 +321,7 @@ def test_losing_the_store_host_with_default_timeouts_is_77(tmp_path: Path, hosts
     procs = start_hosts(hosts, d, BASE, *STEPS)
     until("step 10", lambda: any(b["step"] >= 10 for b in read_heartbeats(str(d))), procs)
     hosts.kill(0)
+    _memory_lost_with(d, "host0")
     t0 = time.monotonic()
     (r1,) = finish([procs[1]], timeout=1000)
     procs[0].wait(timeout=30)
